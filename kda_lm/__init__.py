@@ -1,0 +1,1 @@
+"""kda-lm: hybrid MLA + KDA language models in JAX and Haiku."""

@@ -1,0 +1,249 @@
+"""`chunk_kda`: the public KDA op, its input checks, and implementation dispatch.
+
+This module is the one place that chooses between KDA implementations.
+Everything here before `_kda_core` runs in Python on shapes and dtypes, so bad
+input raises a `ValueError` before anything is traced.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kda_lm.ops.kda import common
+from kda_lm.ops.kda import reference
+from kda_lm.ops.kda import xla
+
+IMPLS = ("auto", "reference", "xla")
+
+
+def resolve_impl(impl):
+  """Maps `impl` to a concrete implementation name.
+
+  `"auto"` picks the best available path for JAX's default backend; today
+  that is the chunked XLA path everywhere.
+
+  Raises:
+    ValueError: unknown `impl`.
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"Unknown KDA impl {impl!r}; expected one of {IMPLS}.")
+  if impl == "auto":
+    return "xla"
+  return impl
+
+
+def _concrete(x):
+  """Returns `x` as numpy if it is concrete, else None (a tracer)."""
+  try:
+    return np.asarray(x)
+  except (jax.errors.TracerArrayConversionError,
+          jax.errors.ConcretizationTypeError):
+    return None
+
+
+def _check_float(name, x):
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"{name} must be a floating array, got dtype {x.dtype}.")
+
+
+def _validate(q, k, v, g, beta, *, scale, initial_state, segment_ids,
+              cu_seqlens, A_log, dt_bias, use_gate_in_kernel, lower_bound,
+              chunk_size):
+  """Checks every argument of `chunk_kda`; returns (B, T, H, K, V, N)."""
+  for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+    if not hasattr(x, "shape"):
+      raise ValueError(f"{name} must be an array, got {type(x).__name__}.")
+    _check_float(name, x)
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B,T,H,K], got shape {q.shape}.")
+  B, T, H, K = q.shape
+  if k.shape != q.shape:
+    raise ValueError(f"k shape {k.shape} != q shape {q.shape}.")
+  if g.shape != q.shape:
+    raise ValueError(f"g shape {g.shape} != q shape {q.shape} ([B,T,H,K]).")
+  if v.ndim != 4 or v.shape[:3] != (B, T, H):
+    raise ValueError(f"v must be [B,T,H,V] = [{B},{T},{H},V], got {v.shape}.")
+  V = v.shape[3]
+  if beta.shape != (B, T, H):
+    raise ValueError(f"beta must be [B,T,H] = {(B, T, H)}, got {beta.shape}.")
+  if min(B, H, K, V) < 1:
+    raise ValueError(f"Empty dimension in q {q.shape} / v {v.shape}.")
+  if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+    raise ValueError(f"scale must be a positive Python float, got {scale!r}.")
+  if not isinstance(chunk_size, int) or chunk_size < 1 or (
+      chunk_size > xla.SUB_BLOCK and chunk_size % xla.SUB_BLOCK):
+    raise ValueError(f"chunk_size must be a positive int that is <= "
+                     f"{xla.SUB_BLOCK} or a multiple of it, got {chunk_size!r}.")
+
+  if segment_ids is not None and cu_seqlens is not None:
+    raise ValueError("Pass segment_ids or cu_seqlens, not both.")
+  N = B
+  if segment_ids is not None:
+    if not hasattr(segment_ids, "shape") or segment_ids.shape != (B, T):
+      raise ValueError(f"segment_ids must be [B,T] = {(B, T)}, got "
+                       f"{getattr(segment_ids, 'shape', type(segment_ids))}.")
+    if (not jnp.issubdtype(segment_ids.dtype, jnp.integer)
+        or segment_ids.dtype == jnp.bool_):
+      raise ValueError(f"segment_ids must be an integer array (int32), got "
+                       f"dtype {segment_ids.dtype}.")
+    ids = _concrete(segment_ids)
+    if ids is not None and ids.size and ids.min() < 0:
+      raise ValueError("segment_ids must be >= 0 (1-based documents, 0 = "
+                       f"padding); found {ids.min()}.")
+  if cu_seqlens is not None:
+    cu = _concrete(cu_seqlens)
+    if cu is None:
+      raise ValueError("cu_seqlens must be concrete (numpy or a committed jax "
+                       "array), not traced; use segment_ids under jit.")
+    if B != 1:
+      raise ValueError(f"cu_seqlens requires B == 1, got B = {B}.")
+    if (cu.ndim != 1 or cu.size < 2 or not np.issubdtype(cu.dtype, np.integer)
+        or cu[0] != 0 or cu[-1] != T or np.any(np.diff(cu) < 0)):
+      raise ValueError(f"cu_seqlens must be a non-decreasing int vector [N+1] "
+                       f"from 0 to T={T}; got {cu.tolist()}.")
+    N = cu.size - 1
+  if initial_state is not None:
+    if initial_state.shape != (N, H, K, V):
+      raise ValueError(f"initial_state must be [N,H,K,V] = {(N, H, K, V)} "
+                       f"(N = B, or documents with cu_seqlens); got "
+                       f"{initial_state.shape}.")
+    _check_float("initial_state", initial_state)
+
+  if use_gate_in_kernel:
+    if A_log is None:
+      raise ValueError("use_gate_in_kernel=True requires A_log [H].")
+    if A_log.shape != (H,):
+      raise ValueError(f"A_log must be [H] = {(H,)}, got {A_log.shape}.")
+    if dt_bias is not None and dt_bias.shape != (H * K,):
+      raise ValueError(f"dt_bias must be [H*K] = {(H * K,)}, got "
+                       f"{dt_bias.shape}.")
+    if lower_bound is not None and not -5.0 <= float(lower_bound) < 0.0:
+      raise ValueError(f"lower_bound must lie in [-5, 0), got {lower_bound}.")
+  else:
+    for name, x in (("A_log", A_log), ("dt_bias", dt_bias),
+                    ("lower_bound", lower_bound)):
+      if x is not None:
+        raise ValueError(f"{name} is only used with use_gate_in_kernel=True.")
+  return B, T, H, K, V, N
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "lower_bound", "use_gate_in_kernel",
+                     "use_qk_l2norm_in_kernel", "impl", "chunk_size"))
+def _kda_core(q, k, v, g, beta, segment_ids, initial_state, A_log, dt_bias, *,
+              scale, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel,
+              impl, chunk_size):
+  """Canonicalises and runs one implementation. Returns f32 (o, state)."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  if segment_ids is None:
+    segment_ids = jnp.ones((B, T), jnp.int32)
+  segs = common.segments_from_ids(segment_ids)
+  q, k, v, g, beta = common.canonicalize(
+      q, k, v, g, beta, segs, A_log=A_log, dt_bias=dt_bias,
+      lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
+      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+  if initial_state is None:
+    h0 = jnp.zeros((B, H, K, V), jnp.float32)
+  else:
+    h0 = initial_state.astype(jnp.float32)
+  if impl == "reference":
+    return reference.kda_recurrent(q, k, v, g, beta, segs, h0, scale)
+  return xla.kda_chunked(q, k, v, g, beta, segs, h0, scale,
+                         chunk_size=chunk_size)
+
+
+@functools.partial(jax.jit, static_argnames=("core_kwargs",))
+def _kda_varlen(q, k, v, g, beta, initial_state, A_log, dt_bias, doc_idx,
+                doc_valid, tok_doc, tok_off, *, core_kwargs):
+  """cu_seqlens path: gathers documents into rows [N,L], runs, scatters back.
+
+  The index arrays are arguments (never closed-over constants).
+  """
+  take = lambda x: x[0][doc_idx]  # [1,T,...] -> [N,L,...]
+  o, state = _kda_core(
+      take(q), take(k), take(v), take(g), take(beta),
+      doc_valid.astype(jnp.int32), initial_state, A_log, dt_bias,
+      **dict(core_kwargs))
+  return o[tok_doc, tok_off][None], state
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
+              output_final_state=False, segment_ids=None, cu_seqlens=None,
+              A_log=None, dt_bias=None, use_gate_in_kernel=False,
+              safe_gate=False, lower_bound=None,
+              use_qk_l2norm_in_kernel=False, chunk_size=64, impl="auto"):
+  """Kimi Delta Attention over packed rows, with exact document resets.
+
+  Per head, for each token t: `S = S * exp(g_t)[:, None]`;
+  `S += beta_t k_t (v_t - k_t^T S)^T`; `o_t = scale * q_t^T S`.
+
+  Args:
+    q: [B,T,H,K] queries.
+    k: [B,T,H,K] keys.
+    v: [B,T,H,V] values (V may differ from K).
+    g: [B,T,H,K] log decay (<= 0), or the raw gate projection when
+      `use_gate_in_kernel`.
+    beta: [B,T,H] write strengths in [0, 1].
+    scale: query scale; defaults to K**-0.5.
+    initial_state: [B,H,K,V] (or [N,H,K,V] with `cu_seqlens`) state entering
+      each row's first segment (each document with `cu_seqlens`).
+    output_final_state: also return the final state(s).
+    segment_ids: [B,T] int, RFC-0026: 1-based document ids, 0 = padding; the
+      state resets wherever the id changes. Padding gives zero output, changes
+      no state and receives zero gradients. None = one segment per row.
+    cu_seqlens: FLA's varlen form, int [N+1] from 0 to T, B must be 1; states
+      are then per document, [N,H,K,V]. Must be concrete (not traced).
+    A_log: [H] float32 gate parameter (with `use_gate_in_kernel`).
+    dt_bias: [H*K] float32 gate bias (with `use_gate_in_kernel`; optional).
+    use_gate_in_kernel: compute `g = -exp(A_log) * softplus(g + dt_bias)`, or
+      with `lower_bound`, `g = lower_bound * sigmoid(exp(A_log) (g + dt_bias))`.
+    safe_gate: accepted for FLA compatibility. Every implementation here is
+      exact for any gate, so it changes nothing.
+    lower_bound: float in [-5, 0) selecting the bounded gate form.
+    use_qk_l2norm_in_kernel: L2-normalise q and k (`x / sqrt(sum x^2 + 1e-6)`).
+    chunk_size: chunk length C of the chunked path.
+    impl: "auto", "reference" (token-by-token oracle) or "xla" (chunked).
+
+  Returns:
+    `(o, final_state)`: o [B,T,H,V] in q's dtype; final_state float32
+    [B,H,K,V] ([N,H,K,V] with cu_seqlens), the state after each row's last
+    non-padding token, or None unless `output_final_state`.
+
+  Raises:
+    ValueError: on any malformed argument, before tracing.
+  """
+  del safe_gate  # Exact for every gate; kept for FLA signature parity.
+  impl = resolve_impl(impl)
+  B, T, H, K, V, N = _validate(
+      q, k, v, g, beta, scale=scale, initial_state=initial_state,
+      segment_ids=segment_ids, cu_seqlens=cu_seqlens, A_log=A_log,
+      dt_bias=dt_bias, use_gate_in_kernel=use_gate_in_kernel,
+      lower_bound=lower_bound, chunk_size=chunk_size)
+  core_kwargs = dict(
+      scale=float(K ** -0.5 if scale is None else scale),
+      lower_bound=None if lower_bound is None else float(lower_bound),
+      use_gate_in_kernel=bool(use_gate_in_kernel),
+      use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+      impl=impl, chunk_size=chunk_size)
+  if cu_seqlens is None:
+    o, state = _kda_core(q, k, v, g, beta, segment_ids, initial_state, A_log,
+                         dt_bias, **core_kwargs)
+  else:
+    cu = np.asarray(cu_seqlens).astype(np.int64)
+    lens = np.diff(cu)
+    L = max(int(lens.max()), 1)
+    offs = np.arange(L)[None, :]
+    doc_valid = offs < lens[:, None]                              # [N,L]
+    doc_idx = np.where(doc_valid, cu[:-1, None] + offs, 0)        # [N,L]
+    tok_doc = np.repeat(np.arange(N), lens)                       # [T]
+    tok_off = np.arange(T) - cu[tok_doc]                          # [T]
+    o, state = _kda_varlen(
+        q, k, v, g, beta, initial_state, A_log, dt_bias,
+        doc_idx.astype(np.int32), doc_valid, tok_doc.astype(np.int32),
+        tok_off.astype(np.int32),
+        core_kwargs=tuple(sorted(core_kwargs.items())))
+  return o.astype(q.dtype), (state if output_final_state else None)

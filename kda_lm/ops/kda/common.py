@@ -1,0 +1,107 @@
+"""Shared pieces of every KDA implementation: gates, norms, segments.
+
+Shape glossary (batch-first, as in FLA and RFC-0026):
+  B: batch rows          T: tokens per row       H: heads
+  K: key/query head dim  V: value head dim       N: chunks (T / C)
+  C: chunk size          c: sub-block size inside a chunk
+
+Every implementation receives the *canonical* form built here: float32
+q, k, v, g (an activated log-decay, <= 0), beta, all exactly zero at padding
+tokens, plus two boolean masks: `reset [B,T]` (the state is zeroed before this
+token) and `pad [B,T]` (the token is padding and changes nothing).
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+L2NORM_EPS = 1e-6
+
+
+def l2norm(x):
+  """FLA's l2norm_fwd: `x / sqrt(sum(x^2) + 1e-6)` over the last axis, f32."""
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def kda_gate(g_raw, A_log, dt_bias, lower_bound=None):
+  """Turns the raw gate projection into a per-channel log decay.
+
+  Args:
+    g_raw: [B,T,H,K] raw gate projection.
+    A_log: [H] float32.
+    dt_bias: [H*K] float32 (head-major) or None.
+    lower_bound: None for the softplus form, else a float in [-5, 0) for the
+      bounded form.
+
+  Returns:
+    [B,T,H,K] float32 log decay: `-exp(A_log) * softplus(g + dt_bias)` or
+    `lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`.
+  """
+  H, K = g_raw.shape[-2:]
+  x = g_raw.astype(jnp.float32)
+  if dt_bias is not None:
+    x = x + dt_bias.astype(jnp.float32).reshape(H, K)
+  a = jnp.exp(A_log.astype(jnp.float32))[:, None]  # [H,1]
+  if lower_bound is None:
+    return -a * jax.nn.softplus(x)
+  return lower_bound * jax.nn.sigmoid(a * x)
+
+
+class Segments(NamedTuple):
+  """Per-token segment structure derived from `segment_ids`.
+
+  Attributes:
+    pad: [B,T] bool, True at padding tokens (segment id 0).
+    reset: [B,T] bool, True where the state is zeroed before the token: a
+      segment start that is not the row's first segment (the first segment
+      starts from `initial_state`).
+  """
+  pad: jax.Array
+  reset: jax.Array
+
+
+def segments_from_ids(segment_ids):
+  """Builds the reset/padding masks of RFC-0026 from `segment_ids [B,T]`.
+
+  A segment starts at every non-padding token whose id differs from the
+  previous token's id (t=0 always starts one). Any layout is allowed: ids need
+  not be consecutive, padding may sit between documents, and a document
+  interrupted by padding is two segments.
+  """
+  seg = segment_ids.astype(jnp.int32)
+  pad = seg == 0
+  prev = jnp.pad(seg[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  start = (~pad) & (seg != prev)
+  n_start = jnp.cumsum(start.astype(jnp.int32), axis=1)
+  reset = start & (n_start > 1)
+  return Segments(pad=pad, reset=reset)
+
+
+def canonicalize(q, k, v, g, beta, segs, *, A_log, dt_bias, lower_bound,
+                 use_gate_in_kernel, use_qk_l2norm_in_kernel):
+  """Casts to float32, applies in-kernel gate and norm, zeroes padding.
+
+  Zeroing happens with `where` after the gate and the norm, so the gradient
+  reaching any padding input is exactly zero (and finite).
+  """
+  if use_qk_l2norm_in_kernel:
+    q, k = l2norm(q), l2norm(k)
+  else:
+    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+  if use_gate_in_kernel:
+    g = kda_gate(g, A_log, dt_bias, lower_bound)
+  else:
+    g = g.astype(jnp.float32)
+  v = v.astype(jnp.float32)
+  beta = beta.astype(jnp.float32)
+  keep = ~segs.pad
+  keep4 = keep[:, :, None, None]
+  zero = jnp.zeros((), jnp.float32)
+  q = jnp.where(keep4, q, zero)
+  k = jnp.where(keep4, k, zero)
+  v = jnp.where(keep4, v, zero)
+  g = jnp.where(keep4, g, zero)
+  beta = jnp.where(keep[:, :, None], beta, zero)
+  return q, k, v, g, beta
