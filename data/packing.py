@@ -73,7 +73,7 @@ def _check_spec(spec: Any) -> bool:
       feature has the wrong dtype.
     ValueError: a feature is not of rank 1.
   """
-  if isinstance(spec, tf.TensorSpec):
+  if isinstance(spec, (tf.TensorSpec, tf.RaggedTensorSpec)):
     spec = {"tokens": spec}
   if not isinstance(spec, dict) or "tokens" not in spec:
     raise TypeError(
@@ -83,8 +83,8 @@ def _check_spec(spec: Any) -> bool:
     if key not in spec:
       continue
     feature = spec[key]
-    if not isinstance(feature, tf.TensorSpec):
-      raise TypeError(f"Document feature {key!r} must be a dense tensor, got "
+    if not isinstance(feature, (tf.TensorSpec, tf.RaggedTensorSpec)):
+      raise TypeError(f"Document feature {key!r} must be a tensor, got "
                       f"{feature}.")
     if feature.dtype not in dtypes:
       raise TypeError(
@@ -96,6 +96,10 @@ def _check_spec(spec: Any) -> bool:
           f"Document feature {key!r} must have rank 1 ([L], one document per "
           f"element; unbatch first), got shape {feature.shape}.")
   return "loss_mask" in spec
+
+
+def _dense(x: tf.Tensor | tf.RaggedTensor) -> tf.Tensor:
+  return x.to_tensor() if isinstance(x, tf.RaggedTensor) else x
 
 
 def _to_ragged(x: tf.Tensor | tf.RaggedTensor) -> tf.RaggedTensor:
@@ -234,10 +238,11 @@ def pack_documents(documents: tf.data.Dataset,
   if not isinstance(window_size, int) or window_size < 1:
     raise ValueError(f"window_size must be an int >= 1, got {window_size!r}.")
   has_mask = _check_spec(documents.element_spec)
-  if isinstance(documents.element_spec, tf.TensorSpec):
-    documents = documents.map(lambda t: {"tokens": t})
   keys = ("tokens", "loss_mask") if has_mask else ("tokens",)
-  documents = documents.map(lambda d: {k: d[k] for k in keys})
+  if isinstance(documents.element_spec, dict):
+    documents = documents.map(lambda d: {k: _dense(d[k]) for k in keys})
+  else:
+    documents = documents.map(lambda t: {"tokens": _dense(t)})
 
   windows = documents.ragged_batch(window_size, row_splits_dtype=tf.int32)
   pack = lambda b: _pack_window(b, seq_len, has_mask,

@@ -24,6 +24,7 @@ Usage:
 """
 
 import dataclasses
+import fnmatch
 import glob as glob_lib
 import hashlib
 import os
@@ -66,21 +67,24 @@ def list_files(pattern: str, *, exclude_installed: bool = False
 
   Args:
     pattern: glob; `**` matches any number of directories.
-    exclude_installed: skip files under `site-packages`/`dist-packages`.
+    exclude_installed: skip (and do not descend into) `site-packages` and
+      `dist-packages`; the pattern must then be of the form `ROOT/**/NAME`.
 
   Returns:
     Sorted `(path, path relative to the glob's fixed prefix)` pairs.
   """
   root = _root(pattern)
-  files = []
-  for path in glob_lib.glob(pattern, recursive=True):
-    if not os.path.isfile(path):
-      continue
-    relpath = os.path.relpath(path, root) if root else path
-    if exclude_installed and any(
-        part in _EXCLUDED_DIRS for part in relpath.split(os.sep)):
-      continue
-    files.append((path, relpath))
+  if exclude_installed:
+    name = os.path.basename(pattern)
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(root):
+      dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
+      paths.extend(os.path.join(dirpath, f)
+                   for f in fnmatch.filter(filenames, name))
+  else:
+    paths = glob_lib.glob(pattern, recursive=True)
+  files = [(path, os.path.relpath(path, root) if root else path)
+           for path in paths if os.path.isfile(path)]
   return sorted(files, key=lambda f: f[1])
 
 

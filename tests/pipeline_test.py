@@ -1,0 +1,174 @@
+"""Tests of data/pipeline.py: config -> packed numpy batches, checkpoints."""
+
+import numpy as np
+import pytest
+
+from data import delayed_copy, packing, pipeline
+
+SEQ_LEN = 32
+BATCH = 4
+
+
+def _config(**overrides):
+  config = pipeline.default_config()
+  config.update(dict(seq_len=SEQ_LEN, batch_size=BATCH, vocab_size=40,
+                     delay=3, min_len=2, max_len=70, num_train_docs=150,
+                     num_eval_docs=25, shuffle_buffer=32, pack_window_rows=4))
+  config.update(overrides)
+  return config
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("tfds"))
+
+
+def _train(config, data_dir, **kwargs):
+  kwargs.setdefault("process_index", 0)
+  kwargs.setdefault("process_count", 1)
+  return pipeline.make_train_iterator(config, data_dir=data_dir, **kwargs)
+
+
+def _eval(config, data_dir, **kwargs):
+  kwargs.setdefault("process_index", 0)
+  kwargs.setdefault("process_count", 1)
+  return pipeline.make_eval_iterator(config, data_dir=data_dir, **kwargs)
+
+
+def _take(iterator, n):
+  return [next(iterator) for _ in range(n)]
+
+
+def _assert_same(a, b):
+  assert len(a) == len(b)
+  for x, y in zip(a, b, strict=True):
+    assert x.keys() == y.keys()
+    for key in x:
+      np.testing.assert_array_equal(x[key], y[key], err_msg=key)
+
+
+def test_train_batches(data_dir):
+  it = _train(_config(), data_dir)
+  assert it.vocab_size == 40
+  for batch in _take(it, 3):
+    assert sorted(batch) == sorted(packing.FEATURES)
+    for key, dtype in packing.FEATURES.items():
+      assert batch[key].shape == (BATCH, SEQ_LEN), key
+      assert batch[key].dtype == dtype.as_numpy_dtype, key
+    real = batch["segment_ids"] > 0
+    assert not batch["loss_mask"][~real].any()
+    assert (batch["inputs"][real] < 40).all()
+    assert real.mean() > 0.5
+
+
+def test_train_determinism_and_seed(data_dir):
+  config = _config()
+  first = _take(_train(config, data_dir), 4)
+  _assert_same(first, _take(_train(config, data_dir), 4))
+  other = _take(_train(config, data_dir, seed=1), 4)
+  assert not all(np.array_equal(a["inputs"], b["inputs"])
+                 for a, b in zip(first, other, strict=True))
+
+
+def test_save_restore_resumes_on_next_batch(data_dir, tmp_path):
+  config = _config()
+  it = _train(config, data_dir)
+  # Past the end of the first epoch (about 10 batches), so the shuffle and
+  # repeat state matter too.
+  _take(it, 12)
+  pipeline.save_iterator(it, str(tmp_path / "ckpt"))
+  expected = _take(it, 5)
+
+  resumed = _train(config, data_dir)
+  _take(resumed, 2)  # Its own position is overwritten by the restore.
+  pipeline.restore_iterator(resumed, str(tmp_path / "ckpt"))
+  _assert_same(_take(resumed, 5), expected)
+
+  # Restoring again rewinds the original iterator as well.
+  it.restore(str(tmp_path / "ckpt"))
+  _assert_same(_take(it, 5), expected)
+  with pytest.raises(FileNotFoundError):
+    it.restore(str(tmp_path / "missing"))
+
+
+def _expected_loss_tokens(config, split):
+  """Sum of the pair loss masks over the split: nothing lost or duplicated."""
+  bconfig = pipeline.builder_config(config)
+  return sum(int(d["loss_mask"][1:].sum())
+             for _, d in delayed_copy.generate(bconfig, split))
+
+
+def test_eval_is_finite_deterministic_and_complete(data_dir):
+  config = _config()
+  stream = _eval(config, data_dir)
+  batches = list(stream)
+  _assert_same(batches, list(stream))  # Re-iterable, same every time.
+  assert batches[-1]["inputs"].shape == (BATCH, SEQ_LEN)  # Padded batch.
+  total = sum(b["loss_mask"].sum() for b in batches)
+  assert total == _expected_loss_tokens(config, "validation")
+
+  exact = list(_eval(config, data_dir, num_batches=len(batches) + 2))
+  _assert_same(exact[:len(batches)], batches)
+  assert not any(b[k].any() for b in exact[len(batches):] for k in b)
+  _assert_same(list(_eval(config, data_dir, num_batches=1)), batches[:1])
+
+
+def test_process_sharding(data_dir):
+  config = _config()
+  shards = [list(_eval(config, data_dir, process_index=i, process_count=2))
+            for i in range(2)]
+  for shard in shards:
+    assert shard[0]["inputs"].shape == (BATCH // 2, SEQ_LEN)
+  # The two shards hold disjoint documents that together make the split.
+  total = sum(b["loss_mask"].sum() for shard in shards for b in shard)
+  assert total == _expected_loss_tokens(config, "validation")
+  a, b = (_take(_train(config, data_dir, process_index=i, process_count=2),
+                2) for i in range(2))
+  assert not np.array_equal(a[0]["inputs"], b[0]["inputs"])
+  with pytest.raises(ValueError, match="multiple of the process count"):
+    _train(_config(batch_size=3), data_dir, process_count=2)
+
+
+def test_reset_at_document_boundaries_false(data_dir):
+  batch = next(_train(_config(reset_at_document_boundaries=False), data_dir))
+  real = batch["segment_ids"] > 0
+  np.testing.assert_array_equal(batch["segment_ids"][real], 1)
+  n = real.sum(axis=1)
+  for row, length in enumerate(n):
+    np.testing.assert_array_equal(batch["positions"][row, :length],
+                                  np.arange(length))
+
+
+def test_text_files(tmp_path):
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  for i in range(6):
+    (corpus / f"f{i}.txt").write_bytes(bytes(range(i, 256)) * (i + 1))
+  config = _config(name="text_files", glob=str(corpus / "*.txt"),
+                   validation_percent=40, vocab_size=7)
+  assert pipeline.vocab_size(config) == 256
+  it = _train(config, None, workdir=str(tmp_path))
+  assert it.vocab_size == 256
+  batch = next(it)
+  real = batch["segment_ids"] > 0
+  np.testing.assert_array_equal(batch["loss_mask"], real)
+  assert (tmp_path / "tfds" / "text_files").is_dir()  # Under the workdir.
+  assert list(_eval(config, None, workdir=str(tmp_path)))
+
+
+def test_errors(data_dir, tmp_path):
+  with pytest.raises(ValueError, match="Unknown dataset name 'nope'"):
+    _train(_config(name="nope"), data_dir)
+  with pytest.raises(ValueError, match="Unknown dataset name"):
+    pipeline.vocab_size(_config(name="nope"))
+  with pytest.raises(ValueError, match="matched no files"):
+    _train(_config(name="text_files", glob=str(tmp_path / "*.none")),
+           data_dir)
+  with pytest.raises(ValueError, match="seq_len"):
+    _train(_config(seq_len=1), data_dir)
+  with pytest.raises(ValueError, match="data dir"):
+    _train(_config(), None)
+  with pytest.raises(ValueError, match="Unknown split"):
+    pipeline.make_iterator(_config(), split="test", data_dir=data_dir)
+  with pytest.raises(ValueError, match="num_batches"):
+    _eval(_config(), data_dir, num_batches=-1)
