@@ -27,6 +27,9 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 SPLITS = ("train", "validation")
+# Configs by name: TFDS accepts a config named like a registered one only if
+# it is that very object, so equal settings must give the same object.
+_CONFIGS = {}
 
 
 @dataclasses.dataclass(eq=False)
@@ -61,7 +64,7 @@ def make_config(*,
     seed: seed of the generator; each split is deterministic in it.
 
   Returns:
-    A `DelayedCopyConfig`.
+    A `DelayedCopyConfig`; equal settings give the same object.
 
   Raises:
     ValueError: a value out of range.
@@ -88,12 +91,15 @@ def make_config(*,
     raise ValueError(f"delayed_copy seed must be >= 0, got {seed}.")
   name = (f"v{vocab_size}_d{delay}_l{min_len}-{max_len}_"
           f"n{num_train_docs}-{num_eval_docs}_s{seed}")
-  return DelayedCopyConfig(
+  if name in _CONFIGS:
+    return _CONFIGS[name]
+  _CONFIGS[name] = DelayedCopyConfig(
       name=name,
       description=(f"vocab {vocab_size}, delay {delay}, lengths "
                    f"{min_len}..{max_len}, {num_train_docs} train / "
                    f"{num_eval_docs} validation documents, seed {seed}"),
       **{k: int(v) for k, v in values.items()})
+  return _CONFIGS[name]
 
 
 def generate(config: DelayedCopyConfig, split: str):

@@ -148,7 +148,7 @@ def make_config(*, glob: str | None = None,
   if not files:
     raise ValueError(f"text_files: the glob {pattern!r} matched no files.")
   split_files(files, validation_percent)  # Fails early on a single file.
-  digest = hashlib.sha256(pattern.encode("utf-8"))
+  digest = hashlib.sha256(f"{pattern}\0{exclude_installed}".encode("utf-8"))
   for path, relpath in files:
     stat = os.stat(path)
     digest.update(f"\0{relpath}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())

@@ -137,3 +137,12 @@ def test_text_files_default_is_stdlib():
   assert not any("site-packages" in rel for _, rel in files)
   splits = text_files.split_files(files, config.validation_percent)
   assert 0 < len(splits["validation"]) < len(splits["train"])
+
+
+def test_default_settings_use_the_registered_config(tmp_path):
+  # TFDS refuses a custom config named like a registered one unless it is the
+  # same object.
+  config = delayed_copy.make_config()
+  assert config is delayed_copy.DelayedCopy.BUILDER_CONFIGS[0]
+  builder = tfds.builder("delayed_copy", config=config, data_dir=str(tmp_path))
+  assert builder.builder_config is config
