@@ -42,52 +42,91 @@ SUB_BLOCK = 16        # c: rows per anchored sub-block (and per solve block)
 GROUP_CHUNKS = 8      # chunks per checkpointed group
 
 
-def _decayed_products(xs, k, G, *, sub, safe):
+def _local_frames(g, run, *, sub):
+  """Block-local cumulative gates and the sums that chain sub-blocks.
+
+  Every decay the chunk needs is rebuilt from gates of one segment only, in
+  frames that restart at each sub-block and each segment start, so values stay
+  small (precise) and one document never perturbs another's rounding.
+
+  Args:
+    g: [B,H,G,C,K] log decay (<= 0; 0 at padding).
+    run: [B,G,C] segment-run index.
+    sub: sub-block size c.
+
+  Returns:
+    L [B,H,G,nb,c,K]: cumulative gate from max(block start, segment start)
+      to each row; tot [B,H,G,nb,K]: L at each block's last row;
+      same_b [B,1,G,nb,c,c]: same-segment mask inside each block;
+      reach_end [B,1,G,nb,c,1]: the row's segment reaches its block's end.
+  """
+  *lead, C, K = g.shape
+  nb = C // sub
+  run_b = run.reshape(*run.shape[:-1], nb, sub)[:, None]      # [B,1,G,nb,c]
+  same_b = run_b[..., :, None] == run_b[..., None, :]
+  tri = jnp.tril(jnp.ones((sub, sub), bool))
+  L = (same_b & tri).astype(jnp.float32) @ g.reshape(*lead, nb, sub, K)
+  reach_end = (run_b == run_b[..., -1:])[..., None]
+  return L, L[..., -1, :], same_b, reach_end
+
+
+def _decayed_products(xs, k, L, tot, same_b, reach_end, *, safe):
   """Returns [sum_d x_r k_s exp(G_r - G_s)]_{r,s} for each x in xs.
 
-  Only entries with s <= r are meaningful (the rest are finite garbage that
-  the caller masks).
+  Only same-segment entries with s <= r are meaningful; every other entry is
+  finite (the caller masks it). Off-diagonal sub-blocks (rows in block i,
+  columns in block j < i) factorise as
+  `exp(L_r) * exp(sum of block totals strictly between) * exp(tot_j - L_s)`,
+  all exponents <= 0. Diagonal sub-blocks use the exact pairwise decay with the
+  exponent masked, or with `safe` (gates >= -5, so -L_s <= 5c) the factorised
+  `exp(L_r) * exp(-L_s)`.
 
   Args:
     xs: tuple of [L...,C,K] row-side operands (q and/or k).
     k: [L...,C,K] column-side keys.
-    G: [L...,C,K] in-chunk cumulative log decay (non-increasing).
-    sub: sub-block size c (divides C).
-    safe: factorise the diagonal sub-blocks too (needs gates >= -5).
+    L, tot, same_b, reach_end: from `_local_frames`.
+    safe: factorise the diagonal sub-blocks too.
 
   Returns:
     Tuple of [L...,C,C] float32 matrices, one per entry of `xs`.
   """
-  *lead, C, K = k.shape
-  nb = C // sub
+  *lead, nb, sub, K = L.shape
+  C = nb * sub
   neg_inf = jnp.array(-jnp.inf, jnp.float32)
-  blk = lambda x: x.reshape(*lead, nb, sub, x.shape[-1])
-  G_b = blk(G)
-  anchor = G_b[..., :1, :]                                   # [L,nb,1,K]
-  e_row = jnp.exp(G_b - anchor)                              # <= 1
-  # Column factor exp(n_i - G_s) for the columns block i may use: those
-  # before it (exact) or up to its end (safe); exponent masked elsewhere.
-  limit = (jnp.arange(nb) + (1 if safe else 0)) * sub
-  col_ok = jnp.arange(C)[None, :] < limit[:, None]           # [nb,C]
-  expo = anchor - G[..., None, :, :]                         # [L,nb,C,K]
-  k_col = k[..., None, :, :] * jnp.exp(
-      jnp.where(col_ok[:, :, None], expo, neg_inf))
+  blk = lambda x: x.reshape(*lead, nb, sub, K)
+  e_row = jnp.exp(L)                                         # <= 1
+  k_b = blk(k)
+  # Column factor: decay from s to the end of its block (its segment must
+  # reach that end), times the decay of the full blocks strictly between.
+  k_col = k_b * jnp.exp(jnp.where(reach_end, tot[..., None, :] - L, neg_inf))
+  between_mask = (jnp.arange(nb)[None, :, None] < jnp.arange(nb)[None, None, :]
+                  ) & (jnp.arange(nb)[None, None, :] < jnp.arange(nb)[:, None,
+                                                                      None])
+  # between_mask[i, j, m]: j < m < i.
+  between = jnp.einsum("ijm,...mk->...ijk",
+                       between_mask.astype(jnp.float32), tot)
+  lower_blocks = jnp.tril(jnp.ones((nb, nb), bool), -1)[:, :, None]
+  e_between = jnp.exp(jnp.where(lower_blocks, between, neg_inf))  # [..,i,j,K]
+  if safe:
+    k_diag = k_b * jnp.exp(-L)                               # <= e^(5c)
+  else:
+    tri = jnp.tril(jnp.ones((sub, sub), bool))
+    diff = L[..., :, None, :] - L[..., None, :, :]           # [L,nb,c,c,K]
+    decay = jnp.exp(jnp.where((tri & same_b)[..., None], diff, neg_inf))
+  eye = jnp.eye(nb, dtype=jnp.float32)
   outs = []
   for x in xs:
-    a = jnp.einsum("...irk,...isk->...irs", blk(x) * e_row, k_col)
-    outs.append(a)                                           # [L,nb,c,C]
-  if not safe:
-    tri = jnp.tril(jnp.ones((sub, sub), bool))
-    diff = G_b[..., :, None, :] - G_b[..., None, :, :]       # [L,nb,c,c,K]
-    decay = jnp.exp(jnp.where(tri[:, :, None], diff, neg_inf))
-    eye = jnp.eye(nb, dtype=jnp.float32)
-    k_b = blk(k)
-    for i, x in enumerate(xs):
+    x_row = blk(x) * e_row                                   # [L,nb,c,K]
+    x_off = x_row[..., :, :, None, :] * e_between[..., :, None, :, :]
+    a = jnp.einsum("...irjk,...jsk->...irjs", x_off, k_col)  # [L,i,c,j,c]
+    if safe:
+      diag = jnp.einsum("...irk,...isk->...irs", x_row, k_diag)
+    else:
       xd = blk(x)[..., :, None, :] * decay                   # [L,nb,c,c,K]
       diag = jnp.einsum("...rsk,...sk->...rs", xd, k_b)      # [L,nb,c,c]
-      diag = jnp.einsum("...irs,ij->...irjs", diag, eye)
-      outs[i] = outs[i] + diag.reshape(*lead, nb, sub, C)
-  return tuple(a.reshape(*lead, C, C) for a in outs)
+    a = a + jnp.einsum("...irs,ij->...irjs", diag, eye)
+    outs.append(a.reshape(*lead, C, C))
+  return tuple(outs)
 
 
 def _unit_lower_inverse(m, sub):
@@ -129,26 +168,38 @@ def _intra(q, k, v, g, beta, run, run_prev, *, sub, safe):
     chunk contains a reset).
   """
   f32 = jnp.float32
-  G = jnp.cumsum(g, axis=-2)
-  aqk, akk = _decayed_products((q, k), k, G, sub=sub, safe=safe)
-  C = q.shape[-2]
+  *lead, C, K = q.shape
+  nb = C // sub
+  neg_inf = jnp.array(-jnp.inf, f32)
+  L, tot, same_b, reach_end = _local_frames(g, run, sub=sub)
+  aqk, akk = _decayed_products((q, k), k, L, tot, same_b, reach_end,
+                               safe=safe)
   same = (run[..., :, None] == run[..., None, :])[:, None]   # [B,1,G,C,C]
   tri = jnp.tril(jnp.ones((C, C), bool))
   strict = jnp.tril(jnp.ones((C, C), bool), -1)
   aqk = aqk * (same & tri).astype(f32)
   m = akk * (same & strict).astype(f32) * beta[..., None]
-  first = (run == run_prev[..., None])[:, None, :, :, None].astype(f32)
-  last = (run == run[..., -1:])[:, None, :, :, None].astype(f32)
-  carry = (run[..., -1] == run_prev)[:, None, :, None].astype(f32)
   p = _unit_lower_inverse(m, sub)
-  eG = jnp.exp(G)                                            # <= 1
-  bk = beta[..., None] * k
-  w = p @ (bk * eG * first)
+  # Chunk-frame decays, rebuilt from block-local ones: from the chunk start to
+  # row r (rows of the first segment only) and from row s to the chunk end
+  # (rows of the last segment only); exponents masked, never results.
+  blocks_before = jnp.tril(jnp.ones((nb, nb), f32), -1)     # [i, m]: m < i
+  before = jnp.einsum("im,...mk->...ik", blocks_before, tot)[..., None, :]
+  after = jnp.einsum("mi,...mk->...ik", blocks_before, tot)[..., None, :]
+  first = (run == run_prev[..., None])[:, None]              # [B,1,G,C]
+  last = (run == run[..., -1:])[:, None]
+  carry = (run[..., -1] == run_prev)[:, None, :, None]       # [B,1,G,1]
+  blk_mask = lambda m: m.reshape(*m.shape[:-1], nb, sub)[..., None]
+  from_start = jnp.exp(jnp.where(blk_mask(first), L + before, neg_inf))
+  to_end = jnp.exp(jnp.where(blk_mask(last), tot[..., None, :] - L + after,
+                             neg_inf))
+  from_start = from_start.reshape(*lead, C, K)
+  to_end = to_end.reshape(*lead, C, K)
+  w = p @ (beta[..., None] * k * from_start)
   u = p @ (beta[..., None] * v)
-  G_last = G[..., -1:, :]
-  kd = k * jnp.exp(G_last - G) * last                        # exponent <= 0
-  decay = carry * jnp.exp(G_last[..., 0, :])
-  return w, u, aqk, q * eG * first, kd, decay
+  kd = k * to_end
+  decay = jnp.exp(jnp.where(carry, jnp.sum(tot, axis=-2), neg_inf))
+  return w, u, aqk, q * from_start, kd, decay
 
 
 def _group_step(S, xs, *, sub, safe):
