@@ -1,0 +1,1 @@
+"""Experiment configs (ml_collections), loaded with --config=configs/X.py."""

@@ -1,0 +1,194 @@
+"""KimiDeltaAttention: the KDA token mixer (FLA `fla/layers/kda.py`).
+
+Shape glossary: B batch rows, T tokens, D model width, H heads,
+K key/query head dim, V value head dim.
+
+  q, k, v = SiLU(ShortConv(x W_q)), ... (k, v alike)     [B,T,H,K], [B,T,H,V]
+  g       = forget-gate projection of x (raw; activated inside the op)
+  beta    = sigmoid(x W_b)                                       [B,T,H]
+  o       = chunk_kda(q, k, v, g, beta, A_log, dt_bias, segment_ids)
+  y       = W_o (rmsnorm_per_head(o) * weight * sigmoid(output gate of x))
+
+q and k are L2-normalised inside the op. Two gate variants:
+
+* `ling` (Ling 3.0, default): full-rank gates `f_proj [D, H*K]` and
+  `g_proj [D, H*V]`; bounded forget gate
+  `g = -5 * sigmoid(exp(A_log) * (x + dt_bias))` in (-5, 0), which allows
+  the op's all-matmul `safe_gate` path; `A_log` initialised to 0.
+* `kimi` (Kimi Linear): low-rank gates `f_a [D, V] -> f_b [V, H*K]` and
+  `g_a [D, V] -> g_b [V, H*V] (+ bias)`; softplus forget gate
+  `g = -exp(A_log) * softplus(x + dt_bias)`; `A_log = log U(1, 16)`.
+
+`A_log [H]` and `dt_bias [H*K]` are float32 whatever the parameter dtype and
+should not be weight-decayed (see `kda_lm.model.weight_decay_mask`).
+"""
+
+import math
+from typing import Optional
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from kda_lm import ops
+from kda_lm.layers import conv, linear, norm
+
+GATES = ("ling", "kimi")
+LING_LOWER_BOUND = -5.0
+DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 0.1, 1e-4
+
+
+def a_log_init(gate: str) -> hk.initializers.Initializer:
+  """FLA's `A_log` init: zeros for `ling`, `log U(1, 16)` for `kimi`."""
+  if gate == "ling":
+    return jnp.zeros
+
+  def init(shape, dtype):
+    u = jax.random.uniform(hk.next_rng_key(), shape, jnp.float32, 1.0, 16.0)
+    return jnp.log(u).astype(dtype)
+
+  return init
+
+
+def dt_bias_init(shape, dtype):
+  """FLA's `dt_bias` init: inverse softplus of `dt = exp(U(log 1e-3, log .1))`.
+
+  `dt` is floored at 1e-4 before the inversion.
+  """
+  u = jax.random.uniform(hk.next_rng_key(), shape, jnp.float32)
+  dt = jnp.exp(u * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN))
+  dt = jnp.maximum(dt, DT_FLOOR)
+  return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+
+
+class KimiDeltaAttention(hk.Module):
+  """The KDA layer: projections, short convolutions, gates, `chunk_kda`."""
+
+  def __init__(self, num_heads: int, head_dim: int, *,
+               head_v_dim: Optional[int] = None, gate: str = "ling",
+               conv_size: int = 4, conv_bias: bool = False,
+               norm_eps: float = 1e-6, impl: str = "auto",
+               chunk_size: int = 64, param_dtype=jnp.float32,
+               name: Optional[str] = None):
+    """Initialises the module.
+
+    Args:
+      num_heads: H.
+      head_dim: K, the query/key head dim.
+      head_v_dim: V, the value head dim (default K).
+      gate: "ling" or "kimi" (see the module docstring).
+      conv_size: short convolution kernel size (taps).
+      conv_bias: give the short convolutions a bias.
+      norm_eps: epsilon of the gated output RMSNorm.
+      impl: `chunk_kda` implementation ("auto", "reference", "xla", ...).
+      chunk_size: `chunk_kda` chunk size.
+      param_dtype: dtype of the projection, conv and norm parameters.
+      name: module name.
+
+    Raises:
+      ValueError: a non-positive dimension or an unknown gate.
+    """
+    super().__init__(name=name)
+    head_v_dim = head_dim if head_v_dim is None else head_v_dim
+    for key, value in (("num_heads", num_heads), ("head_dim", head_dim),
+                       ("head_v_dim", head_v_dim)):
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"KDA {key} must be a positive int, got {value!r}.")
+    if gate not in GATES:
+      raise ValueError(f"KDA gate must be one of {GATES}, got {gate!r}.")
+    self.num_heads = num_heads
+    self.head_dim = head_dim
+    self.head_v_dim = head_v_dim
+    self.gate = gate
+    self.conv_size = conv_size
+    self.conv_bias = conv_bias
+    self.norm_eps = norm_eps
+    self.impl = impl
+    self.chunk_size = chunk_size
+    self.param_dtype = param_dtype
+
+  def __call__(self, x: jax.Array,
+               segment_ids: Optional[jax.Array] = None) -> jax.Array:
+    """Mixes tokens within each document.
+
+    Args:
+      x: [B,T,D] inputs (the compute dtype).
+      segment_ids: optional [B,T] int ids, 1-based documents, 0 = padding;
+        the state and the conv window reset wherever the id changes. None =
+        one document per row.
+
+    Returns:
+      [B,T,D] in `x`'s dtype.
+
+    Raises:
+      ValueError: `x` is not [B,T,D] or `segment_ids` is not [B,T].
+    """
+    if x.ndim != 3:
+      raise ValueError(f"x must be [B,T,D], got shape {x.shape}.")
+    B, T, D = x.shape
+    H, K, V = self.num_heads, self.head_dim, self.head_v_dim
+    if segment_ids is not None:
+      if segment_ids.shape != (B, T):
+        raise ValueError(f"segment_ids must be [B,T] = {(B, T)}, got "
+                         f"{segment_ids.shape}.")
+      segment_ids = segment_ids.astype(jnp.int32)
+
+    # Modules are built here, not in helper methods, so that their names
+    # carry no method scope ("kda/q_proj", not "kda/~_dense/q_proj").
+    def dense(size, name, with_bias=False):
+      return linear.Dense(size, with_bias=with_bias,
+                          param_dtype=self.param_dtype, name=name)
+
+    def proj_conv(size, name):
+      y = dense(size, f"{name}_proj")(x)
+      return conv.ShortConvolution(
+          self.conv_size, with_bias=self.conv_bias, activation="silu",
+          param_dtype=self.param_dtype, name=f"{name}_conv1d")(y, segment_ids)
+
+    q_BTHK = proj_conv(H * K, "q").reshape(B, T, H, K)
+    k_BTHK = proj_conv(H * K, "k").reshape(B, T, H, K)
+    v_BTHV = proj_conv(H * V, "v").reshape(B, T, H, V)
+    if self.gate == "ling":
+      g_BTHK = dense(H * K, "f_proj")(x)
+      out_gate = dense(H * V, "g_proj")(x)
+      lower_bound, safe_gate = LING_LOWER_BOUND, True
+    else:
+      g_BTHK = dense(H * K, "f_b_proj")(dense(V, "f_a_proj")(x))
+      out_gate = dense(H * V, "g_b_proj", with_bias=True)(
+          dense(V, "g_a_proj")(x))
+      lower_bound, safe_gate = None, False
+    g_BTHK = g_BTHK.reshape(B, T, H, K)
+    beta_BTH = jax.nn.sigmoid(dense(H, "b_proj")(x))
+    A_log_H = hk.get_parameter("A_log", [H], jnp.float32,
+                               init=a_log_init(self.gate))
+    dt_bias = hk.get_parameter("dt_bias", [H * K], jnp.float32,
+                               init=dt_bias_init)
+    o_BTHV, _ = ops.chunk_kda(
+        q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, segment_ids=segment_ids,
+        A_log=A_log_H, dt_bias=dt_bias, use_gate_in_kernel=True,
+        lower_bound=lower_bound, safe_gate=safe_gate,
+        use_qk_l2norm_in_kernel=True, chunk_size=self.chunk_size,
+        impl=self.impl)
+    o_BTHV = norm.GatedRMSNorm(eps=self.norm_eps, param_dtype=self.param_dtype,
+                               name="o_norm")(
+                                   o_BTHV, out_gate.reshape(B, T, H, V))
+    return dense(D, "o_proj")(o_BTHV.reshape(B, T, H * V))
+
+
+def param_count(d_model: int, num_heads: int, head_dim: int, *,
+                head_v_dim: Optional[int] = None, gate: str = "ling",
+                conv_size: int = 4, conv_bias: bool = False) -> int:
+  """Parameters of one KDA layer, by shape arithmetic (for tests)."""
+  D, H, K = d_model, num_heads, head_dim
+  V = K if head_v_dim is None else head_v_dim
+  n = D * H * K * 2 + D * H * V + D * H + H * V * D        # q,k,v,b,o
+  n += conv_size * (2 * H * K + H * V)                      # convs
+  if conv_bias:
+    n += 2 * H * K + H * V
+  if gate == "ling":
+    n += D * H * K + D * H * V
+  else:
+    n += D * V + V * H * K + D * V + V * H * V + H * V
+  return int(n + H + H * K + V)                             # A_log, dt, norm
+
+

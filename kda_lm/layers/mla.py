@@ -1,0 +1,204 @@
+"""MultiHeadLatentAttention: DeepSeek-V2/V3 MLA with packed-document masks.
+
+Shape glossary: B batch rows, T tokens (S: key tokens), D model width,
+H heads, N = qk_nope_head_dim, R = qk_rope_head_dim, E = v_head_dim,
+Q = q_lora_rank, C = kv_lora_rank.
+
+  Q:   [q_nope, q_rope] = RMSNorm(x W_qa) W_qb      (or x W_q when Q = 0)
+  KV:  [c_kv, k_rope] = x W_kva; [k_nope, v] = RMSNorm(c_kv) W_kvb
+  RoPE (interleaved, per-document positions) on q_rope and on the single
+       k_rope shared by all heads; skipped with `use_nope` (Kimi Linear).
+  s = (q_nope . k_nope + q_rope . k_rope) / sqrt(N + R)
+  mask = causal & same segment & key not padding
+  o = softmax(s) v  [* sigmoid(x W_g) per head, Ling 3.0's gated MLA]
+  y = o W_o
+
+Scores and softmax are float32. A padding query attends to nothing and
+outputs zeros.
+"""
+
+from typing import Optional
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from kda_lm.layers import linear, norm, rope, segments
+
+# A large finite negative: exp() of it underflows to exactly 0, and a row
+# with every entry masked stays finite (no NaN) in forward and backward.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def attention_mask(T: int, segment_ids: Optional[jax.Array]) -> jax.Array:
+  """Returns the [B or 1,1,T,S=T] bool mask: causal & same segment & valid.
+
+  Args:
+    T: tokens per row.
+    segment_ids: optional [B,T] int ids (0 = padding); None = causal only.
+  """
+  t = jnp.arange(T)
+  mask_TS = t[:, None] >= t[None, :]
+  if segment_ids is None:
+    return mask_TS[None, None]
+  run_BT = segments.run_ids(segment_ids)
+  same_BTS = run_BT[:, :, None] == run_BT[:, None, :]
+  valid_BS = segment_ids != 0
+  return (mask_TS[None] & same_BTS & valid_BS[:, None, :])[:, None]
+
+
+class MultiHeadLatentAttention(hk.Module):
+  """MLA with an optional low-rank query and an optional output gate."""
+
+  def __init__(self, num_heads: int, *, q_lora_rank: int, kv_lora_rank: int,
+               qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+               rope_theta: float = 10000.0, use_nope: bool = False,
+               output_gate: bool = False, norm_eps: float = 1e-6,
+               param_dtype=jnp.float32, name: Optional[str] = None):
+    """Initialises the module.
+
+    Args:
+      num_heads: H.
+      q_lora_rank: Q, rank of the query compression; 0 = a direct `W_q`.
+      kv_lora_rank: C, rank of the compressed KV latent.
+      qk_nope_head_dim: N, per-head query/key dims without RoPE.
+      qk_rope_head_dim: R, per-head query dims (and shared key dims) that
+        carry RoPE; even unless `use_nope`.
+      v_head_dim: E, per-head value dims.
+      rope_theta: RoPE base.
+      use_nope: no positional rotation (Kimi Linear's NoPE MLA); the R dims
+        still exist and the scale still uses N + R.
+      output_gate: multiply each head's output by `sigmoid(x W_g)_h`.
+      norm_eps: epsilon of the q and kv latent RMSNorms.
+      param_dtype: dtype of the stored parameters.
+      name: module name.
+
+    Raises:
+      ValueError: inconsistent head dimensions or ranks.
+    """
+    super().__init__(name=name)
+    check_dims(num_heads=num_heads, q_lora_rank=q_lora_rank,
+               kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
+               qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
+               use_nope=use_nope)
+    self.num_heads = num_heads
+    self.q_lora_rank = q_lora_rank
+    self.kv_lora_rank = kv_lora_rank
+    self.qk_nope_head_dim = qk_nope_head_dim
+    self.qk_rope_head_dim = qk_rope_head_dim
+    self.v_head_dim = v_head_dim
+    self.rope_theta = rope_theta
+    self.use_nope = use_nope
+    self.output_gate = output_gate
+    self.norm_eps = norm_eps
+    self.param_dtype = param_dtype
+
+  def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array] = None,
+               positions: Optional[jax.Array] = None) -> jax.Array:
+    """Attends within each document.
+
+    Args:
+      x: [B,T,D] inputs (the compute dtype).
+      segment_ids: optional [B,T] int ids (0 = padding); None = one document
+        per row.
+      positions: optional [B,T] int RoPE positions; None = derived from
+        `segment_ids` (restarting at 0 per document), or 0..T-1.
+
+    Returns:
+      [B,T,D] in `x`'s dtype.
+
+    Raises:
+      ValueError: `x` is not [B,T,D] or an id/position array is not [B,T].
+    """
+    if x.ndim != 3:
+      raise ValueError(f"x must be [B,T,D], got shape {x.shape}.")
+    B, T, D = x.shape
+    for key, arr in (("segment_ids", segment_ids), ("positions", positions)):
+      if arr is not None and arr.shape != (B, T):
+        raise ValueError(f"{key} must be [B,T] = {(B, T)}, got {arr.shape}.")
+    # Modules are built inside __call__ so their names carry no method scope.
+    dense = lambda size, name: linear.Dense(
+        size, param_dtype=self.param_dtype, name=name)
+    rms = lambda name: norm.RMSNorm(self.norm_eps, self.param_dtype,
+                                    name=name)
+    H, N, R = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
+    E, C = self.v_head_dim, self.kv_lora_rank
+
+    if self.q_lora_rank:
+      c_q = rms("q_a_norm")(dense(self.q_lora_rank, "q_a_proj")(x))
+      q_BTHP = dense(H * (N + R), "q_b_proj")(c_q)
+    else:
+      q_BTHP = dense(H * (N + R), "q_proj")(x)
+    q_BTHP = q_BTHP.reshape(B, T, H, N + R)
+    kv_a = dense(C + R, "kv_a_proj")(x)
+    c_kv_BTC, k_rope_BTR = kv_a[..., :C], kv_a[..., C:]
+    kv_BTHX = dense(H * (N + E), "kv_b_proj")(
+        rms("kv_a_norm")(c_kv_BTC)).reshape(B, T, H, N + E)
+    k_nope_BTHN, v_BTHE = kv_BTHX[..., :N], kv_BTHX[..., N:]
+    q_nope_BTHN, q_rope_BTHR = q_BTHP[..., :N], q_BTHP[..., N:]
+    k_rope_BT1R = k_rope_BTR[:, :, None, :]
+    if R and not self.use_nope:
+      if positions is None:
+        positions = (jnp.broadcast_to(jnp.arange(T), (B, T))
+                     if segment_ids is None else
+                     segments.positions_from_segment_ids(segment_ids))
+      q_rope_BTHR = rope.apply_rope(q_rope_BTHR, positions, self.rope_theta)
+      k_rope_BT1R = rope.apply_rope(k_rope_BT1R, positions, self.rope_theta)
+    q_BTHP = jnp.concatenate([q_nope_BTHN, q_rope_BTHR], axis=-1)
+    k_BTHP = jnp.concatenate(
+        [k_nope_BTHN, jnp.broadcast_to(k_rope_BT1R, (B, T, H, R))], axis=-1)
+
+    s_BHTS = jnp.einsum("bthp,bshp->bhts", q_BTHP, k_BTHP,
+                        preferred_element_type=jnp.float32)
+    s_BHTS = s_BHTS * (N + R) ** -0.5
+    mask = attention_mask(T, segment_ids)
+    s_BHTS = jnp.where(mask, s_BHTS, MASK_VALUE)
+    p_BHTS = jax.nn.softmax(s_BHTS, axis=-1).astype(x.dtype)
+    o_BTHE = jnp.einsum("bhts,bshe->bthe", p_BHTS, v_BTHE,
+                        preferred_element_type=jnp.float32)
+    if segment_ids is not None:
+      o_BTHE = jnp.where((segment_ids != 0)[:, :, None, None], o_BTHE, 0.0)
+    if self.output_gate:
+      gate_BTH = jax.nn.sigmoid(
+          dense(H, "g_proj")(x).astype(jnp.float32))
+      o_BTHE = o_BTHE * gate_BTH[..., None]
+    o_BTHE = o_BTHE.astype(x.dtype)
+    return dense(D, "o_proj")(o_BTHE.reshape(B, T, H * E))
+
+
+def check_dims(*, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
+               qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+               use_nope: bool) -> None:
+  """Validates MLA dimensions.
+
+  Raises:
+    ValueError: a non-int or out-of-range value, no query/key dims at all,
+      or an odd RoPE dimension with RoPE on.
+  """
+  for key, value, low in (("num_heads", num_heads, 1),
+                          ("q_lora_rank", q_lora_rank, 0),
+                          ("kv_lora_rank", kv_lora_rank, 1),
+                          ("qk_nope_head_dim", qk_nope_head_dim, 0),
+                          ("qk_rope_head_dim", qk_rope_head_dim, 0),
+                          ("v_head_dim", v_head_dim, 1)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+      raise ValueError(f"MLA {key} must be an int >= {low}, got {value!r}.")
+  if qk_nope_head_dim + qk_rope_head_dim < 1:
+    raise ValueError("MLA needs qk_nope_head_dim + qk_rope_head_dim >= 1.")
+  if not use_nope and qk_rope_head_dim % 2:
+    raise ValueError(f"MLA qk_rope_head_dim must be even for (interleaved) "
+                     f"RoPE, got {qk_rope_head_dim}; or set use_nope.")
+
+
+def param_count(d_model: int, num_heads: int, *, q_lora_rank: int,
+                kv_lora_rank: int, qk_nope_head_dim: int,
+                qk_rope_head_dim: int, v_head_dim: int,
+                output_gate: bool) -> int:
+  """Parameters of one MLA layer, by shape arithmetic (for tests)."""
+  D, H, N, R = d_model, num_heads, qk_nope_head_dim, qk_rope_head_dim
+  E, Q, C = v_head_dim, q_lora_rank, kv_lora_rank
+  n = (D * Q + Q + Q * H * (N + R)) if Q else D * H * (N + R)
+  n += D * (C + R) + C + C * H * (N + E) + H * E * D
+  if output_gate:
+    n += D * H
+  return int(n)

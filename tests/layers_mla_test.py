@@ -1,0 +1,165 @@
+"""Tests of kda_lm/layers/mla.py (and rope.py): MLA == a naive attention."""
+
+import haiku as hk
+import jax
+import numpy as np
+import pytest
+
+from kda_lm.layers import mla, rope
+
+DIMS = dict(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+            v_head_dim=6)
+H, D = 2, 16
+SEG = np.array([[1, 1, 1, 1, 2, 2, 2, 2, 2, 0, 0, 0],
+                [1] * 12], np.int32)
+POS = np.array([[0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 0, 0],
+                list(range(12))], np.int32)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compile():
+  """Tiny shapes: compilation dominates, so skip most XLA optimizations."""
+  previous = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", previous)
+
+
+def _transformed(**kwargs):
+  kw = dict(DIMS, q_lora_rank=0, rope_theta=100.0)
+  kw.update(kwargs)
+  return hk.without_apply_rng(hk.transform(
+      lambda x, s=None, p=None: mla.MultiHeadLatentAttention(
+          H, name="mla", **kw)(x, s, p)))
+
+
+def _rms(x, w):
+  return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6) * w
+
+
+def _rope_complex(x, pos, theta):
+  """Interleaved RoPE via complex numbers: pair (2i, 2i+1) is one complex."""
+  R = x.shape[-1]
+  z = x[..., 0::2] + 1j * x[..., 1::2]
+  freq = theta ** (-np.arange(0, R, 2) / R)
+  z = z * np.exp(1j * pos[:, :, None, None] * freq)
+  out = np.empty_like(x)
+  out[..., 0::2], out[..., 1::2] = z.real, z.imag
+  return out
+
+
+def _naive(params, x, seg, pos, *, q_lora_rank, use_nope, output_gate,
+           theta=100.0):
+  """MLA in float64 numpy with an explicit loop-built mask."""
+  p = {k.split("/", 1)[1] if "/" in k else k: {n: np.asarray(v, np.float64)
+                                               for n, v in d.items()}
+       for k, d in params.items()}
+  x = x.astype(np.float64)
+  B, T, _ = x.shape
+  N, R = DIMS["qk_nope_head_dim"], DIMS["qk_rope_head_dim"]
+  E, C = DIMS["v_head_dim"], DIMS["kv_lora_rank"]
+  if q_lora_rank:
+    q = _rms(x @ p["q_a_proj"]["w"], p["q_a_norm"]["weight"])
+    q = q @ p["q_b_proj"]["w"]
+  else:
+    q = x @ p["q_proj"]["w"]
+  q = q.reshape(B, T, H, N + R)
+  kv_a = x @ p["kv_a_proj"]["w"]
+  kv = (_rms(kv_a[..., :C], p["kv_a_norm"]["weight"])
+        @ p["kv_b_proj"]["w"]).reshape(B, T, H, N + E)
+  k_rope = kv_a[..., None, C:]
+  q_rope = q[..., N:]
+  if not use_nope:
+    q_rope = _rope_complex(q_rope, pos, theta)
+    k_rope = _rope_complex(k_rope, pos, theta)
+  out = np.zeros((B, T, H, E))
+  for b in range(B):
+    for h in range(H):
+      for t in range(T):
+        if seg[b, t] == 0:
+          continue
+        keys = [s for s in range(t + 1) if seg[b, s] == seg[b, t]]
+        sc = np.array([(q[b, t, h, :N] @ kv[b, s, h, :N]
+                        + q_rope[b, t, h] @ k_rope[b, s, 0]) / np.sqrt(N + R)
+                       for s in keys])
+        w = np.exp(sc - sc.max())
+        w /= w.sum()
+        out[b, t, h] = sum(wi * kv[b, s, h, N:]
+                           for wi, s in zip(w, keys, strict=True))
+  if output_gate:
+    out = out / (1.0 + np.exp(-(x @ p["g_proj"]["w"])))[..., None]
+  return out.reshape(B, T, H * E) @ p["o_proj"]["w"]
+
+
+@pytest.mark.parametrize("q_lora_rank,use_nope,output_gate", [
+    (0, False, True), (8, False, False), (0, True, False)])
+def test_equals_naive_attention(q_lora_rank, use_nope, output_gate):
+  x = np.random.default_rng(0).standard_normal((2, 12, D)).astype(np.float32)
+  f = _transformed(q_lora_rank=q_lora_rank, use_nope=use_nope,
+                   output_gate=output_gate)
+  params = f.init(jax.random.key(0), x, SEG)
+  got = np.asarray(f.apply(params, x, SEG))
+  ref = _naive(params, x, SEG, POS, q_lora_rank=q_lora_rank,
+               use_nope=use_nope, output_gate=output_gate)
+  # Padding queries output zeros (before o_proj, which has no bias).
+  np.testing.assert_array_equal(got[0, 9:], 0.0)
+  err = np.abs(got - ref).max() / np.abs(ref).max()
+  assert err <= 1e-5, err
+  # Explicit positions equal to the derived ones give identical outputs.
+  np.testing.assert_array_equal(np.asarray(f.apply(params, x, SEG, POS)), got)
+
+
+def test_no_attention_across_segments():
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((1, 12, D)).astype(np.float32)
+  f = _transformed(output_gate=True)
+  params = f.init(jax.random.key(1), x, SEG[:1])
+  packed = np.asarray(f.apply(params, x, SEG[:1]))
+  for lo, hi in ((0, 4), (4, 9)):
+    alone = np.asarray(f.apply(params, x[:, lo:hi]))
+    np.testing.assert_allclose(packed[:, lo:hi], alone, rtol=1e-5, atol=1e-6)
+  # Changing document 1 (and the padding) leaves document 2 bit-identical.
+  x2 = x.copy()
+  x2[:, :4] = rng.standard_normal((1, 4, D))
+  x2[:, 9:] = 1e3
+  changed = np.asarray(f.apply(params, x2, SEG[:1]))
+  np.testing.assert_array_equal(changed[:, 4:9], packed[:, 4:9])
+  assert np.all(changed[:, :4] != packed[:, :4])
+
+
+def test_rope_is_relative():
+  rng = np.random.default_rng(2)
+  q = rng.standard_normal((1, 6, 2, 8)).astype(np.float32)
+  k = rng.standard_normal((1, 6, 2, 8)).astype(np.float32)
+  pos = np.arange(6)[None]
+
+  def scores(shift):
+    qr = rope.apply_rope(q, pos + shift, 1e4)
+    kr = rope.apply_rope(k, pos + shift, 1e4)
+    return np.einsum("bthd,bshd->bhts", qr, kr)
+
+  np.testing.assert_allclose(scores(0), scores(37), rtol=1e-4, atol=1e-5)
+  # Interleaved layout: position 1, first pair rotated by exactly 1 radian.
+  x = np.zeros((1, 2, 1, 4), np.float32)
+  x[..., 0] = 1.0
+  y = np.asarray(rope.apply_rope(x, pos[:, :2], 1e4))
+  np.testing.assert_allclose(y[0, 1, 0, :2], [np.cos(1.0), np.sin(1.0)],
+                             rtol=1e-6)
+  np.testing.assert_array_equal(y[0, 0, 0], x[0, 0, 0])
+
+
+def test_bad_dims_and_shapes():
+  x = np.ones((1, 4, D), np.float32)
+  for kwargs, match in (({"qk_rope_head_dim": 3}, "even"),
+                        ({"kv_lora_rank": 0}, "kv_lora_rank"),
+                        ({"qk_nope_head_dim": 0, "qk_rope_head_dim": 0},
+                         "qk_nope_head_dim \\+ qk_rope_head_dim")):
+    with pytest.raises(ValueError, match=match):
+      _transformed(**kwargs).init(jax.random.key(0), x)
+  # An odd RoPE width is fine without RoPE.
+  _transformed(qk_rope_head_dim=3, use_nope=True).init(jax.random.key(0), x)
+  f = _transformed()
+  with pytest.raises(ValueError, match="segment_ids"):
+    f.init(jax.random.key(0), x, np.ones((1, 5), np.int32))
+  with pytest.raises(ValueError, match="positions"):
+    f.init(jax.random.key(0), x, None, np.ones((4,), np.int32))

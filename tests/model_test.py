@@ -1,0 +1,237 @@
+"""Tests of kda_lm/model.py: packed == unpacked end to end, causality, grads."""
+
+import functools
+import subprocess
+import sys
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import ling3_tiny
+from kda_lm import model
+
+VOCAB, T = 32, 128
+LENS = (3, 70, 40)   # < conv window; crosses the 64-token chunk boundary.
+STARTS = (0, 3, 73)  # then 15 padding tokens.
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compile():
+  """Tiny shapes: compilation dominates, so skip most XLA optimizations."""
+  previous = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", previous)
+
+
+def tiny_config(**overrides):
+  """ling3_tiny's model dict shrunk for tests (d_model 32, vocab 32)."""
+  m = ling3_tiny.model_config()
+  m.update(dict(vocab_size=VOCAB, d_model=32, num_heads=2, head_dim=16,
+                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                v_head_dim=16, mlp_hidden_dim=64, kda_impl="xla"))
+  m.update(overrides)
+  return m
+
+
+CONFIGS = {
+    "ling": tiny_config(),
+    # Every other option: Kimi gates, NoPE, low-rank query, tied embeddings,
+    # no output gate, conv bias, V != K, MLA-first pattern, chunk 32.
+    "kimi": tiny_config(kda_gate="kimi", use_nope=True, q_lora_rank=16,
+                        tie_embeddings=True, mla_output_gate=False,
+                        conv_bias=True, kda_head_v_dim=8,
+                        attention_pattern="MKKK", kda_chunk_size=32),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _setup(name):
+  m = model.build(CONFIGS[name])
+  tokens, seg = _packed_row(0)
+  params = jax.jit(m.init)(jax.random.key(0), tokens, seg)
+  return params, jax.jit(m.apply)
+
+
+def _packed_row(seed):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, VOCAB, (1, T)).astype(np.int32)
+  seg = np.zeros((1, T), np.int32)
+  for i, (s, n) in enumerate(zip(STARTS, LENS, strict=True)):
+    seg[0, s:s + n] = i + 1
+  tokens[seg == 0] = 0
+  return tokens, seg
+
+
+def _doc(x, i):
+  return x[:, STARTS[i]:STARTS[i] + LENS[i]]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_packed_equals_unpacked(name):
+  params, apply = _setup(name)
+  tokens, seg = _packed_row(1)
+  packed = np.asarray(apply(params, tokens, seg))
+  assert packed.dtype == np.float32 and packed.shape == (1, T, VOCAB)
+  for i in range(len(LENS)):
+    alone = np.asarray(apply(params, _doc(tokens, i)))
+    err = np.abs(_doc(packed, i) - alone).max() / np.abs(alone).max()
+    assert err <= 1e-5, (i, err)
+
+  # Changing one document leaves the others bit-identical.
+  for i in range(len(LENS)):
+    changed = tokens.copy()
+    rng = np.random.default_rng(10 + i)
+    changed[:, STARTS[i]:STARTS[i] + LENS[i]] = rng.integers(
+        0, VOCAB, (1, LENS[i]))
+    other = np.asarray(apply(params, changed, seg))
+    for j in range(len(LENS)):
+      if j != i:
+        np.testing.assert_array_equal(_doc(other, j), _doc(packed, j))
+    assert np.any(_doc(other, i) != _doc(packed, i))
+
+  # Leak detector: without segment ids the 2nd and 3rd documents change.
+  leaky = np.asarray(apply(params, tokens))
+  # (The first document sees nothing earlier: equal up to rounding.)
+  np.testing.assert_allclose(_doc(leaky, 0), _doc(packed, 0), rtol=1e-5,
+                             atol=1e-5)
+  for i in (1, 2):
+    diff = np.abs(_doc(leaky, i) - _doc(packed, i)).max()
+    assert diff > 1e-3 * np.abs(_doc(packed, i)).max(), (i, diff)
+
+
+def test_causal():
+  params, apply = _setup("ling")
+  tokens, _ = _packed_row(2)
+  base = np.asarray(apply(params, tokens))
+  for t in (1, 63, 64, 100):
+    changed = tokens.copy()
+    changed[0, t] = (changed[0, t] + 1) % VOCAB
+    out = np.asarray(apply(params, changed))
+    np.testing.assert_array_equal(out[:, :t], base[:, :t])
+    assert np.any(out[:, t] != base[:, t])
+
+
+def test_positions_argument():
+  params, apply = _setup("ling")
+  tokens, seg = _packed_row(3)
+  derived = np.asarray(apply(params, tokens, seg))
+  pos = np.asarray(jnp.where(seg == 0, 0,
+                             jnp.arange(T) - np.array(STARTS)[
+                                 np.maximum(seg - 1, 0)]))
+  np.testing.assert_array_equal(
+      np.asarray(apply(params, tokens, seg, pos.astype(np.int32))), derived)
+  shifted = np.asarray(apply(params, tokens, seg, pos.astype(np.int32) + 5))
+  assert np.any(shifted != derived)  # RoPE sees the positions.
+
+
+def test_gradients_finite_and_reach_every_parameter():
+  m = model.build(CONFIGS["ling"])
+  params, _ = _setup("ling")
+  tokens, seg = _packed_row(4)
+
+  def loss(p):
+    logits = m.apply(p, tokens, seg)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]),
+                               tokens[:, 1:, None], -1)[..., 0]
+    return jnp.sum(nll * (seg[:, 1:] != 0)) / jnp.sum(seg[:, 1:] != 0)
+
+  grads = jax.jit(jax.grad(loss))(params)
+  for module, name, g in hk.data_structures.traverse(grads):
+    g = np.asarray(g)
+    assert np.all(np.isfinite(g)), (module, name)
+    assert np.any(g != 0), (module, name)
+  kda_modules = [m_ for m_ in grads if m_.endswith("/kda")]
+  assert len(kda_modules) == 3
+  for module in kda_modules:
+    assert np.all(np.asarray(grads[module]["A_log"]) != 0)
+    assert np.all(np.asarray(grads[module]["dt_bias"]) != 0)
+
+
+def test_bfloat16_compute():
+  cfg = tiny_config(compute_dtype="bfloat16")
+  m = model.build(cfg)
+  params, apply = _setup("ling")
+  tokens, seg = _packed_row(5)
+  ref = np.asarray(apply(params, tokens, seg))
+  out = np.asarray(jax.jit(m.apply)(params, tokens, seg))
+  assert out.dtype == np.float32 and np.all(np.isfinite(out))
+  valid = seg[0] != 0
+  err = np.abs(out[0, valid] - ref[0, valid]).max() / np.abs(ref).max()
+  assert err < 0.1, err
+  init_params = jax.eval_shape(m.init, jax.random.key(0), tokens)
+  assert {p.dtype for p in jax.tree.leaves(init_params)} == {
+      np.dtype(np.float32)}
+
+
+def test_param_count_and_summary():
+  cfg = ling3_tiny.get_config().model
+  params = model.abstract_params(cfg)
+  n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+  assert n == model.param_count(cfg)
+  for name, c in CONFIGS.items():
+    params = model.abstract_params(c)
+    assert sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params)) == (
+        model.param_count(c)), name
+  shapes = {f"{m}/{k}": p.shape for m, k, p in
+            hk.data_structures.traverse(params)}
+  assert shapes["embed/embeddings"] == (VOCAB, 32)
+  assert "lm_head/w" not in shapes  # tied
+  mask = model.weight_decay_mask(model.abstract_params(cfg))
+  assert not mask["layer_0/kda"]["A_log"] and not mask["layer_0/kda"][
+      "dt_bias"]
+  assert mask["layer_0/kda/q_proj"]["w"] and not mask["final_norm"]["weight"]
+  out = subprocess.run(
+      [sys.executable, "-m", "kda_lm.model",
+       "--config=configs/ling3_tiny.py", "--noshapes"],
+      capture_output=True, text=True, check=True).stdout
+  assert f"{model.param_count(cfg):,}" in out
+  assert "layer_3" in out and "MLA" in out and "KDA (ling)" in out
+
+
+def test_ling_pattern():
+  assert model.ling_pattern(4, 4) == "KKKM"
+  assert model.ling_pattern(6, 4) == "KKKMKM"
+  assert model.ling_pattern(24, 4) == "KKKM" * 6
+  assert model.ling_pattern(3, 1) == "MMM"
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(attention_pattern=""), "attention_pattern"),
+    (dict(attention_pattern="KKXM"), "invalid characters"),
+    (dict(qk_rope_head_dim=7), "even"),
+    (dict(qk_nope_head_dim=0, qk_rope_head_dim=0), "qk_nope_head_dim"),
+    (dict(head_dim=0), "head_dim"),
+    (dict(kda_gate="mamba"), "kda_gate"),
+    (dict(kda_impl="cuda"), "impl"),
+    (dict(compute_dtype="float64"), "compute_dtype"),
+])
+def test_bad_config(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    model.build(tiny_config(**overrides))
+
+
+def test_bad_inputs():
+  m = model.build(CONFIGS["ling"])
+  tokens = np.zeros((2, 8), np.int32)
+  key = jax.random.key(0)
+  with pytest.raises(ValueError, match="segment_ids"):
+    m.init(key, tokens, np.ones((2, 7), np.int32))
+  with pytest.raises(ValueError, match="positions"):
+    m.init(key, tokens, None, np.ones((8,), np.int32))
+  with pytest.raises(ValueError, match="segment_ids must be an integer"):
+    m.init(key, tokens, np.ones((2, 8), np.float32))
+  with pytest.raises(ValueError, match="tokens must be"):
+    m.init(key, np.zeros((8,), np.int32))
+  with pytest.raises(ValueError, match=r"\[0, 32\)"):
+    m.init(key, tokens + VOCAB)
+  with pytest.raises(ValueError, match="lacks the required key"):
+    model.build({"vocab_size": 8})
+  # Under jit an out-of-range id cannot raise: it reads NaN, never clips.
+  params, apply = _setup("ling")
+  bad, seg = _packed_row(6)
+  bad[0, 5] = -1
+  assert np.all(np.isnan(np.asarray(apply(params, bad, seg))[0, 5]))
