@@ -6,11 +6,20 @@ Usage:
   python -m kda_lm.model --config=configs/ling3_tiny.py \
       --config.model.attention_pattern=KKKK
 
-`get_config(arg)` takes the text after `:` in `--config=path.py:arg`; only
-the default (None or "") exists so far.
+Training (`python train.py --config=configs/ling3_tiny.py[:variant]`):
+
+  (default)  delayed copy (delay 32, beyond the short-conv window), KKKM.
+  :text      byte-level language model on the `text_files` dataset.
+  :kda_only  attention_pattern "KKKK".
+  :mla_only  attention_pattern "MMMM".
+
+`get_config(arg)` takes the text after `:` in `--config=path.py:arg`;
+variants combine with commas, e.g. `:text,kda_only`.
 """
 
 import ml_collections
+
+from data import pipeline
 
 
 def model_config() -> ml_collections.ConfigDict:
@@ -55,6 +64,97 @@ def model_config() -> ml_collections.ConfigDict:
   return m
 
 
+def data_config() -> ml_collections.ConfigDict:
+  """The `data` dict read by `data.pipeline` (see its docstring)."""
+  d = pipeline.default_config()
+  d.name = "delayed_copy"         # Dataset: delayed_copy | text_files.
+  # TFDS build/cache dir; None = <workdir>/tfds.
+  d.data_dir = ml_collections.FieldReference(None, field_type=str)
+  d.seq_len = 128                 # Tokens per packed row.
+  d.batch_size = 16               # Rows per step, global (all processes).
+  d.seed = 0                      # Shuffle seed of the training stream.
+  d.reset_at_document_boundaries = True  # Per-document segment ids/resets.
+  d.shuffle_buffer = 1024         # Documents in the shuffle buffer.
+  d.pack_window_rows = 64         # Rows' worth of documents packed together.
+  d.vocab_size = 32               # delayed_copy: token ids in [0, 32).
+  d.delay = 32                    # delayed_copy: t[i] = t[i - delay] (tokens).
+  d.min_len = 64                  # delayed_copy: shortest document (tokens).
+  d.max_len = 128                 # delayed_copy: longest document (tokens).
+  d.num_train_docs = 20_000       # delayed_copy: train documents.
+  d.num_eval_docs = 256           # delayed_copy: validation documents.
+  d.dataset_seed = 0              # delayed_copy: generator seed.
+  d.glob = ""                     # text_files: files ("" = Python stdlib .py).
+  d.validation_percent = 5        # text_files: % of files for validation.
+  return d
+
+
+def opt_config() -> ml_collections.ConfigDict:
+  """The `opt` dict: AdamW, linear warmup then cosine decay, clipping."""
+  o = ml_collections.ConfigDict()
+  o.peak_lr = 3e-3                # Learning rate after warmup (per step).
+  o.warmup_steps = 50             # Linear warmup from 0 (steps).
+  # Warmup + cosine length (steps); None = train.num_steps.
+  o.decay_steps = ml_collections.FieldReference(None, field_type=int)
+  o.end_lr_ratio = 0.1            # Final lr as a fraction of peak_lr.
+  o.weight_decay = 0.1            # Decoupled decay (fraction of lr per step);
+  #                                 not on norms, biases, A_log, dt_bias.
+  o.b1 = 0.9                      # Adam first-moment decay.
+  o.b2 = 0.98                     # Adam second-moment decay.
+  o.eps = 1e-8                    # Adam epsilon.
+  o.clip_norm = 1.0               # Global gradient-norm clip; 0 = none.
+  return o
+
+
+def train_config() -> ml_collections.ConfigDict:
+  """The `train` dict: length, logging, seed."""
+  t = ml_collections.ConfigDict()
+  t.num_steps = 600               # Optimizer steps in the run.
+  t.log_every = 25                # Steps between metric rows (host syncs).
+  t.seed = 0                      # Parameter init / state rng seed.
+  # Stop once eval accuracy reaches this (fraction); None = run all steps.
+  t.stop_at_eval_accuracy = ml_collections.FieldReference(
+      None, field_type=float)
+  t.tensorboard = False           # Also write tensorboardX event files.
+  # Progress bar: None = on a terminal only, True/False = always/never.
+  t.progress_bar = ml_collections.FieldReference(None, field_type=bool)
+  return t
+
+
+def eval_config() -> ml_collections.ConfigDict:
+  """The `eval` dict: periodic validation."""
+  e = ml_collections.ConfigDict()
+  e.every_steps = 100             # Steps between evals (0 = no eval).
+  # Batches per eval (data.batch_size rows each); None = the whole split.
+  e.num_batches = ml_collections.FieldReference(None, field_type=int)
+  return e
+
+
+def checkpoint_config() -> ml_collections.ConfigDict:
+  """The `checkpoint` dict: Orbax checkpoints in <workdir>/checkpoints."""
+  c = ml_collections.ConfigDict()
+  c.enabled = True                # Save and auto-resume.
+  c.every_steps = 200             # Steps between saves (and the last step).
+  c.max_to_keep = 3               # Newest checkpoints kept.
+  c.async_save = True             # Write arrays in a background thread.
+  return c
+
+
+def mesh_config() -> ml_collections.ConfigDict:
+  """The `mesh` dict: devices as a (data, fsdp) mesh."""
+  m = ml_collections.ConfigDict()
+  m.data = -1                     # Data-parallel devices; -1 = all / fsdp.
+  m.fsdp = 1                      # Devices each parameter is sharded over.
+  m.distributed = False           # jax.distributed.initialize (multi-host).
+  # jax.distributed.initialize arguments; None = auto-detect.
+  m.coordinator_address = ml_collections.FieldReference(None, field_type=str)
+  m.num_processes = ml_collections.FieldReference(None, field_type=int)
+  m.process_id = ml_collections.FieldReference(None, field_type=int)
+  return m
+
+
+VARIANTS = ("text", "kda_only", "mla_only")
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """Returns the config.
 
@@ -63,13 +163,40 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       None or "" for the default.
 
   Returns:
-    A ConfigDict with a `model` sub-dict.
+    A ConfigDict with the sub-dicts `model`, `data`, `opt`, `train`,
+    `eval`, `checkpoint` and `mesh`.
 
   Raises:
     ValueError: an unknown variant.
   """
-  if arg:
-    raise ValueError(f"Unknown ling3_tiny variant {arg!r}; expected none.")
+  variants = [v for v in (arg or "").split(",") if v]
+  unknown = sorted(set(variants) - set(VARIANTS))
+  if unknown:
+    raise ValueError(f"Unknown ling3_tiny variant {unknown[0]!r}; expected "
+                     f"comma-separated names from {VARIANTS}.")
   config = ml_collections.ConfigDict()
   config.model = model_config()
+  config.data = data_config()
+  config.opt = opt_config()
+  config.train = train_config()
+  config.eval = eval_config()
+  config.checkpoint = checkpoint_config()
+  config.mesh = mesh_config()
+  # The model's vocabulary follows the delayed-copy vocabulary.
+  config.model.vocab_size = config.data.get_ref("vocab_size")
+  if "text" in variants:
+    config.data.name = "text_files"
+    # Byte values (via the shared reference; unused by text_files).
+    config.data.vocab_size = 256
+    config.data.seq_len = 256
+    config.data.batch_size = 8
+    config.train.num_steps = 2000
+    config.train.log_every = 50
+    config.eval.every_steps = 250
+    config.eval.num_batches = 16
+    config.checkpoint.every_steps = 500
+  if "kda_only" in variants:
+    config.model.attention_pattern = "KKKK"
+  if "mla_only" in variants:
+    config.model.attention_pattern = "MMMM"
   return config

@@ -1,0 +1,204 @@
+"""Training output: `metrics.jsonl`, TensorBoard events, progress display.
+
+`MetricsWriter` appends one JSON object per logged step to
+`<workdir>/metrics.jsonl` (train rows: `step`, `loss`, `accuracy`,
+`grad_norm`, `lr`, `tokens_per_s`, ...; eval rows: `step`, `eval_loss`,
+`eval_accuracy`, ...) and optionally mirrors every scalar to TensorBoard
+event files (tensorboardX) under `<workdir>/tensorboard`. Only process 0
+writes; other processes get a writer that does nothing.
+
+`Progress` shows a tqdm bar with the latest loss, accuracy and tokens/s when
+stderr is a terminal, and plain absl log lines otherwise.
+"""
+
+import json
+import math
+import os
+import sys
+from typing import Any, Iterable, Mapping
+
+from absl import logging
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _clean(value: Any) -> Any:
+  """Makes a metric value JSON-friendly (numpy scalars -> Python)."""
+  if hasattr(value, "item"):
+    value = value.item()
+  if isinstance(value, float) and not math.isfinite(value):
+    return str(value)  # "nan", "inf": JSON has no literal for them.
+  return value
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+  """Reads a `metrics.jsonl` file (or the one in a workdir).
+
+  Args:
+    path: the file, or a workdir containing `metrics.jsonl`.
+
+  Returns:
+    The rows in file order; an empty list if the file does not exist.
+  """
+  if os.path.isdir(path):
+    path = os.path.join(path, METRICS_FILE)
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+class MetricsWriter:
+  """Appends metric rows to `metrics.jsonl` and optional TensorBoard events."""
+
+  def __init__(self, workdir: str, *, tensorboard: bool = False,
+               enabled: bool = True):
+    """Opens the writer.
+
+    Args:
+      workdir: the run directory (created if needed).
+      tensorboard: also write tensorboardX event files to
+        `<workdir>/tensorboard`.
+      enabled: False makes every method a no-op (non-zero processes).
+    """
+    self.path = os.path.join(workdir, METRICS_FILE)
+    self.enabled = enabled
+    self._tb = None
+    if not enabled:
+      return
+    os.makedirs(workdir, exist_ok=True)
+    if tensorboard:
+      import tensorboardX  # pylint: disable=g-import-not-at-top
+      self._tb = tensorboardX.SummaryWriter(os.path.join(workdir,
+                                                         "tensorboard"))
+
+  def truncate_after(self, step: int) -> None:
+    """Drops rows with `step > step` (rows logged after the resumed checkpoint).
+
+    A run that resumes from the checkpoint of `step` recomputes the later
+    steps, so their old rows would otherwise appear twice.
+
+    Args:
+      step: the step training resumes from.
+    """
+    if not self.enabled or not os.path.exists(self.path):
+      return
+    rows = read_metrics(self.path)
+    kept = [row for row in rows if row.get("step", 0) <= step]
+    if len(kept) == len(rows):
+      return
+    logging.info("Dropping %d rows after step %d from %s.",
+                 len(rows) - len(kept), step, self.path)
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      for row in kept:
+        f.write(json.dumps(row) + "\n")
+    os.replace(tmp, self.path)
+
+  def write(self, step: int, scalars: Mapping[str, Any]) -> None:
+    """Appends one row `{"step": step, **scalars}`.
+
+    Args:
+      step: the training step the row belongs to.
+      scalars: metric name -> number.
+    """
+    if not self.enabled:
+      return
+    row = {"step": int(step)}
+    row.update({k: _clean(v) for k, v in scalars.items()})
+    with open(self.path, "a") as f:
+      f.write(json.dumps(row) + "\n")
+    if self._tb is not None:
+      for key, value in row.items():
+        if key != "step" and isinstance(value, (int, float)):
+          self._tb.add_scalar(key, value, int(step))
+
+  def flush(self) -> None:
+    if self._tb is not None:
+      self._tb.flush()
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+
+
+def _format(scalars: Mapping[str, Any], keys: Iterable[str]) -> str:
+  parts = []
+  for key in keys:
+    if key in scalars:
+      value = scalars[key]
+      if key == "tokens_per_s":
+        parts.append(f"{key}={value:,.0f}")
+      elif key == "lr":
+        parts.append(f"{key}={value:.2e}")
+      else:
+        parts.append(f"{key}={value:.4f}")
+  return " ".join(parts)
+
+
+_TRAIN_KEYS = ("loss", "accuracy", "grad_norm", "lr", "tokens_per_s")
+_EVAL_KEYS = ("eval_loss", "eval_accuracy")
+
+
+class Progress:
+  """A tqdm progress bar on a terminal, plain log lines otherwise."""
+
+  def __init__(self, total: int, initial: int = 0, *, enabled: bool = True,
+               use_bar: bool | None = None):
+    """Starts the display.
+
+    Args:
+      total: the last step.
+      initial: the step training starts from.
+      enabled: False disables all output (non-zero processes).
+      use_bar: force (True) or disable (False) the bar; None: a bar iff
+        stderr is a terminal.
+    """
+    self.total = total
+    self.enabled = enabled
+    if use_bar is None:
+      use_bar = sys.stderr.isatty()
+    self._bar = None
+    self._eval = {}
+    if enabled and use_bar:
+      import tqdm  # pylint: disable=g-import-not-at-top
+      self._bar = tqdm.tqdm(total=total, initial=initial, unit="step",
+                            dynamic_ncols=True, smoothing=0.1)
+
+  def train(self, step: int, scalars: Mapping[str, Any]) -> None:
+    """Shows a train row."""
+    if not self.enabled:
+      return
+    if self._bar is not None:
+      self._bar.update(step - self._bar.n)
+      postfix = {k: scalars[k] for k in ("loss", "accuracy") if k in scalars}
+      if "tokens_per_s" in scalars:
+        postfix["tok/s"] = f"{scalars['tokens_per_s']:,.0f}"
+      postfix.update(self._eval)
+      self._bar.set_postfix(postfix, refresh=True)
+    else:
+      logging.info("step %d/%d: %s", step, self.total,
+                   _format(scalars, _TRAIN_KEYS))
+
+  def eval(self, step: int, scalars: Mapping[str, Any]) -> None:
+    """Shows an eval row."""
+    if not self.enabled:
+      return
+    if self._bar is not None:
+      self._eval = {"eval_acc": f"{scalars.get('eval_accuracy', 0):.4f}"}
+      self._bar.write(f"step {step}: {_format(scalars, _EVAL_KEYS)}")
+    else:
+      logging.info("step %d/%d eval: %s", step, self.total,
+                   _format(scalars, _EVAL_KEYS))
+
+  def message(self, text: str) -> None:
+    """Logs a line (without breaking the bar)."""
+    if not self.enabled:
+      return
+    logging.info("%s", text)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+      self._bar = None

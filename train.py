@@ -1,0 +1,44 @@
+r"""Trains a kda-lm model: `python train.py --config=configs/ling3_tiny.py`.
+
+Rerunning the same command resumes from the newest checkpoint in --workdir.
+
+  python train.py --config=configs/ling3_tiny.py:kda_only \
+      --config.train.num_steps=200 --workdir=/tmp/kda_only
+"""
+
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/ling3_tiny.py",
+    "Training config file; `path.py:variant` selects a variant.",
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run directory (checkpoints, metrics); default "
+    "runs/<config name>[_<variant>].")
+
+
+def _default_workdir(config_arg: str) -> str:
+  path, _, variant = config_arg.partition(":")
+  name = os.path.splitext(os.path.basename(path))[0]
+  return os.path.join("runs", f"{name}_{variant}" if variant else name)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}.")
+  # TF (the input pipeline) must not take accelerator memory from JAX.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf.config.set_visible_devices([], "GPU")
+  from kda_lm import training  # pylint: disable=g-import-not-at-top
+  training.quiet_library_logs()
+  workdir = _WORKDIR.value or _default_workdir(
+      config_flags.get_config_filename(flags.FLAGS["config"]))
+  logging.info("Config:\n%s", _CONFIG.value)
+  training.train_and_evaluate(_CONFIG.value, workdir)
+
+
+if __name__ == "__main__":
+  app.run(main)
