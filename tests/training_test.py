@@ -1,0 +1,382 @@
+"""Tests of kda_lm.training and train.py on a tiny delayed-copy model.
+
+Subprocesses (a new process for resuming, SIGKILL, 4 fake CPU devices) run
+`train.py` on a generated config file; they share the TFDS data dir and a
+persistent JAX compilation cache with this process.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs import ling3_tiny
+from data import pipeline
+from kda_lm import checkpointing, metrics, training
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A 2-layer KDA + MLA model on delayed copy (delay 4) with 4 x 32 batches.
+TINY = {
+    "model.d_model": 32,
+    "model.attention_pattern": "KM",
+    "model.num_heads": 2,
+    "model.head_dim": 16,
+    "model.kv_lora_rank": 16,
+    "model.qk_nope_head_dim": 16,
+    "model.qk_rope_head_dim": 8,
+    "model.v_head_dim": 16,
+    "model.mlp_hidden_dim": 64,
+    "data.seq_len": 32,
+    "data.batch_size": 4,
+    "data.vocab_size": 16,
+    "data.delay": 4,
+    "data.min_len": 8,
+    "data.max_len": 40,
+    "data.num_train_docs": 256,
+    "data.num_eval_docs": 16,
+    "data.shuffle_buffer": 64,
+    "data.pack_window_rows": 8,
+    "opt.warmup_steps": 2,
+    "opt.peak_lr": 1e-2,
+    "train.num_steps": 4,
+    "train.log_every": 1,
+    "train.progress_bar": False,
+    "eval.every_steps": 2,
+    "eval.num_batches": 2,
+    "checkpoint.every_steps": 2,
+}
+
+_CONFIG_FILE = """
+from configs import ling3_tiny
+
+OVERRIDES = {overrides!r}
+
+
+def get_config(arg=None):
+  config = ling3_tiny.get_config(arg)
+  for key, value in OVERRIDES.items():
+    section, name = key.split(".")
+    config[section][name] = value
+  return config
+"""
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("tfds"))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+  """A persistent compilation cache shared with the subprocesses."""
+  path = str(tmp_path_factory.mktemp("jax_cache"))
+  old = (jax.config.jax_compilation_cache_dir,
+         jax.config.jax_persistent_cache_min_compile_time_secs)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  yield path
+  jax.config.update("jax_compilation_cache_dir", old[0])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
+
+
+def overrides(data_dir, **extra):
+  values = dict(TINY)
+  values["data.data_dir"] = data_dir
+  values.update({k.replace("__", "."): v for k, v in extra.items()})
+  return values
+
+
+def tiny_config(data_dir, **extra):
+  """ling3_tiny with TINY overrides; extra keys as `section__name=value`."""
+  config = ling3_tiny.get_config()
+  for key, value in overrides(data_dir, **extra).items():
+    section, name = key.split(".")
+    config[section][name] = value
+  return config
+
+
+def write_config_file(tmp_path, data_dir, **extra):
+  path = tmp_path / f"config_{len(os.listdir(tmp_path))}.py"
+  path.write_text(_CONFIG_FILE.format(overrides=overrides(data_dir,
+                                                          **extra)))
+  return str(path)
+
+
+def train_command(config_file, workdir, *flags):
+  return [sys.executable, os.path.join(REPO, "train.py"),
+          f"--config={config_file}", f"--workdir={workdir}", *flags]
+
+
+def subprocess_env(cache_dir, xla_flags=""):
+  env = dict(os.environ)
+  env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+  env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  env["JAX_PLATFORMS"] = "cpu"
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
+  return env
+
+
+def run_train(config_file, workdir, cache_dir, *flags, xla_flags="",
+              timeout=300):
+  result = subprocess.run(
+      train_command(config_file, workdir, *flags), cwd=REPO,
+      env=subprocess_env(cache_dir, xla_flags), capture_output=True,
+      text=True, timeout=timeout, check=False)
+  assert result.returncode == 0, result.stderr[-4000:]
+  return result
+
+
+def train_rows(workdir):
+  return [r for r in metrics.read_metrics(workdir) if "loss" in r]
+
+
+def restore_params(workdir, like_state):
+  manager = checkpointing.CheckpointManager(
+      os.path.join(workdir, "checkpoints"))
+  state = manager.restore(jax.eval_shape(lambda: like_state))
+  manager.close()
+  return state
+
+
+def assert_trees_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ---------------------------------------------------------------------------
+
+
+def test_one_step_smoke(tmp_path, data_dir, cache_dir):
+  del cache_dir
+  workdir = str(tmp_path / "run")
+  config = tiny_config(data_dir, train__num_steps=1)
+  state = training.train_and_evaluate(config, workdir)
+  assert int(state.step) == 1
+  rows = metrics.read_metrics(workdir)
+  train_row, eval_row = rows
+  assert train_row["step"] == 1 and np.isfinite(train_row["loss"])
+  for key in ("accuracy", "grad_norm", "lr", "tokens_per_s", "wall_s"):
+    assert key in train_row
+  assert eval_row["step"] == 1
+  assert 0.0 <= eval_row["eval_accuracy"] <= 1.0
+  assert eval_row["eval_loss"] > 0 and eval_row["eval_tokens"] > 0
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert json.load(f)["model"]["d_model"] == 32
+  assert os.listdir(os.path.join(workdir, "checkpoints")) == ["1"]
+  # Rerunning the finished run restores and does nothing more.
+  again = training.train_and_evaluate(config, workdir)
+  assert_trees_equal(again.params, state.params)
+  assert len(metrics.read_metrics(workdir)) == 2
+
+  # A different model refuses the checkpoint, naming the parameter.
+  bigger = tiny_config(data_dir, train__num_steps=1, model__mlp_hidden_dim=96)
+  with pytest.raises(checkpointing.IncompatibleCheckpointError,
+                     match=r"'layer_0/mlp/\w+/w' has shape"):
+    training.train_and_evaluate(bigger, workdir)
+
+  # The metrics plot.
+  from experiments import plot_metrics  # pylint: disable=g-import-not-at-top
+  png = plot_metrics.plot(workdir)
+  assert os.path.getsize(png) > 1000
+
+
+def test_exact_resume_in_a_new_process(tmp_path, data_dir, cache_dir):
+  n = 3
+  common = dict(opt__decay_steps=2 * n, eval__every_steps=0,
+                checkpoint__every_steps=n)
+  straight = str(tmp_path / "straight")
+  state = training.train_and_evaluate(
+      tiny_config(data_dir, train__num_steps=2 * n, **common), straight)
+  resumed = str(tmp_path / "resumed")
+  training.train_and_evaluate(
+      tiny_config(data_dir, train__num_steps=n, **common), resumed)
+  config_file = write_config_file(tmp_path, data_dir, **common)
+  result = run_train(config_file, resumed, cache_dir,
+                     f"--config.train.num_steps={2 * n}")
+  assert f"Resuming from the checkpoint of step {n}" in result.stderr
+  losses = [(r["step"], r["loss"]) for r in train_rows(straight)]
+  assert [s for s, _ in losses] == list(range(1, 2 * n + 1))
+  assert [(r["step"], r["loss"]) for r in train_rows(resumed)] == losses
+  restored = restore_params(resumed, state)
+  assert int(restored.step) == 2 * n
+  assert_trees_equal(restored.params, state.params)
+  assert_trees_equal(restored.opt_state, state.opt_state)
+
+
+def test_sigkill_then_rerun_resumes(tmp_path, data_dir, cache_dir):
+  workdir = str(tmp_path / "run")
+  config_file = write_config_file(
+      tmp_path, data_dir, train__num_steps=100_000, train__log_every=50,
+      eval__every_steps=0, checkpoint__every_steps=5,
+      checkpoint__max_to_keep=2)
+  proc = subprocess.Popen(
+      train_command(config_file, workdir), cwd=REPO,
+      env=subprocess_env(cache_dir), stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL)
+  checkpoints = os.path.join(workdir, "checkpoints")
+  deadline = time.time() + 240
+  try:
+    while time.time() < deadline and proc.poll() is None:
+      if os.path.isdir(checkpoints) and any(
+          name.isdigit() for name in os.listdir(checkpoints)):
+        break
+      time.sleep(0.05)
+    time.sleep(0.3)  # Let it run on, possibly into the next save.
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+  manager = checkpointing.CheckpointManager(checkpoints)
+  last = manager.latest_step()
+  manager.close()
+  assert last is not None and last >= 5
+  # The rerun (a shorter schedule, to finish quickly) resumes and finishes.
+  config = tiny_config(data_dir, train__num_steps=last + 3,
+                       train__log_every=50, eval__every_steps=0,
+                       checkpoint__every_steps=5, checkpoint__max_to_keep=2)
+  state = training.train_and_evaluate(config, workdir)
+  assert int(state.step) == last + 3
+  steps = [r["step"] for r in train_rows(workdir)]
+  assert steps == sorted(set(steps)) and steps[-1] == last + 3
+
+
+def test_nan_loss_stops_without_saving(tmp_path, data_dir, cache_dir,
+                                       monkeypatch):
+  del cache_dir
+  make = pipeline.make_train_iterator
+
+  class Poisoned:
+    """Puts a NaN into the loss mask of the third batch."""
+
+    def __init__(self, iterator):
+      self.iterator = iterator
+      self.count = 0
+
+    def __iter__(self):
+      return self
+
+    def __next__(self):
+      batch = next(self.iterator)
+      self.count += 1
+      if self.count == 3:
+        batch["loss_mask"] = batch["loss_mask"].copy()
+        batch["loss_mask"][0, 0] = np.nan
+      return batch
+
+    def save(self, directory):
+      return self.iterator.save(directory)
+
+    def restore(self, directory):
+      self.iterator.restore(directory)
+
+  monkeypatch.setattr(pipeline, "make_train_iterator",
+                      lambda *a, **k: Poisoned(make(*a, **k)))
+  workdir = str(tmp_path / "run")
+  config = tiny_config(data_dir, train__num_steps=6, train__log_every=3,
+                       checkpoint__every_steps=1, eval__every_steps=0)
+  with pytest.raises(FloatingPointError, match="loss at step 3"):
+    training.train_and_evaluate(config, workdir)
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [
+      "1", "2"]
+
+
+def test_unknown_and_bad_config_keys(data_dir):
+  config = tiny_config(data_dir)
+  training.check_config(config)
+  config.train.stepz = 3
+  with pytest.raises(ValueError, match=r"config\.train\.stepz"):
+    training.check_config(config)
+  config = tiny_config(data_dir)
+  config.extra = {"a": 1}
+  with pytest.raises(ValueError, match=r"config\.extra"):
+    training.check_config(config)
+  config = tiny_config(data_dir)
+  config.model.num_layerz = 3
+  with pytest.raises(ValueError, match=r"config\.model\.num_layerz"):
+    training.check_config(config)
+  config = tiny_config(data_dir)
+  del config.opt["peak_lr"]
+  with pytest.raises(ValueError, match="peak_lr"):
+    training.check_config(config)
+  # Byte-level data (256 ids) for a model with 16 ids.
+  config = tiny_config(data_dir)
+  config.data.name = "text_files"
+  with pytest.raises(ValueError, match="256 token ids"):
+    training.check_config(config)
+  # A locked config (as train.py's --config.* overrides) rejects new keys.
+  config = tiny_config(data_dir)
+  config.lock()
+  with pytest.raises(AttributeError):
+    config.train.stepz = 3
+
+
+def test_check_batch_names_bad_token():
+  batch = {"inputs": np.array([[1, 2]]), "targets": np.array([[2, 9]])}
+  training.check_batch(batch, 10, "the batch of step 7")
+  with pytest.raises(ValueError, match="step 7 has targets token id 9"):
+    training.check_batch(batch, 9, "the batch of step 7")
+
+
+def test_weight_decay_mask():
+  params = {
+      "layer_0/attn_norm": {"weight": np.ones(4)},
+      "layer_0/kda": {"A_log": np.ones(2), "dt_bias": np.ones(8)},
+      "layer_0/kda/q_proj": {"w": np.ones((4, 4)), "b": np.ones(4)},
+      "layer_0/kda/q_conv1d": {"weight": np.ones((4, 4))},
+      "embed": {"embeddings": np.ones((8, 4))},
+  }
+  mask = training.weight_decay_mask(params)
+  assert mask == {
+      "layer_0/attn_norm": {"weight": False},
+      "layer_0/kda": {"A_log": False, "dt_bias": False},
+      "layer_0/kda/q_proj": {"w": True, "b": False},
+      "layer_0/kda/q_conv1d": {"weight": True},
+      "embed": {"embeddings": True},
+  }
+
+
+def test_four_devices_match_one(tmp_path, data_dir, cache_dir):
+  common = dict(train__num_steps=3, eval__every_steps=3,
+                checkpoint__enabled=False)
+  one = str(tmp_path / "one")
+  training.train_and_evaluate(tiny_config(data_dir, **common), one)
+  four = str(tmp_path / "four")
+  fsdp = str(tmp_path / "fsdp")
+  config_file = write_config_file(tmp_path, data_dir, **common)
+  flag = "--xla_force_host_platform_device_count=4"
+  result = run_train(config_file, four, cache_dir, xla_flags=flag)
+  assert "4 devices" in result.stderr
+  run_train(config_file, fsdp, cache_dir, "--config.mesh.fsdp=2",
+            xla_flags=flag)
+  expected = metrics.read_metrics(one)
+  for workdir in (four, fsdp):
+    rows = metrics.read_metrics(workdir)
+    assert [r["step"] for r in rows] == [r["step"] for r in expected]
+    for row, want in zip(rows, expected, strict=True):
+      for key in ("loss", "accuracy", "grad_norm", "eval_loss"):
+        if key in want:
+          np.testing.assert_allclose(row[key], want[key], rtol=2e-5,
+                                     atol=1e-6, err_msg=key)
+
+
+def test_fsdp_shardings():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1),
+                           ("data", "fsdp"))
+  abstract = {"w": jax.ShapeDtypeStruct((8, 6), np.float32),
+              "s": jax.ShapeDtypeStruct((), np.int32)}
+  shardings = training.state_shardings(abstract, mesh)
+  assert shardings["w"].spec == jax.sharding.PartitionSpec()
+  assert training._leaf_spec((8, 6), 2) == jax.sharding.PartitionSpec(
+      "fsdp", None)
+  assert training._leaf_spec((3, 6), 2) == jax.sharding.PartitionSpec(
+      None, "fsdp")
+  assert training._leaf_spec((3, 5), 2) == jax.sharding.PartitionSpec()
