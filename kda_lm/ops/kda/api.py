@@ -6,23 +6,26 @@ input raises a `ValueError` before anything is traced.
 """
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kda_lm.ops.kda import common
+from kda_lm.ops.kda import pallas
 from kda_lm.ops.kda import reference
 from kda_lm.ops.kda import xla
 
-IMPLS = ("auto", "reference", "xla")
+IMPLS = ("auto", "reference", "xla", "pallas")
+PALLAS_BACKENDS = ("tpu", "gpu")
 
 
 def resolve_impl(impl):
   """Maps `impl` to a concrete implementation name.
 
-  `"auto"` picks the best available path for JAX's default backend; today
-  that is the chunked XLA path everywhere.
+  `"auto"` picks the best available path for JAX's default backend: the
+  Pallas kernels on TPU and GPU, the chunked XLA path on CPU.
 
   Raises:
     ValueError: unknown `impl`.
@@ -30,8 +33,26 @@ def resolve_impl(impl):
   if impl not in IMPLS:
     raise ValueError(f"Unknown KDA impl {impl!r}; expected one of {IMPLS}.")
   if impl == "auto":
-    return "xla"
+    return "pallas" if jax.default_backend() in PALLAS_BACKENDS else "xla"
   return impl
+
+
+def _check_pallas(requested, impl, K, V, chunk_size):
+  """Falls back from "pallas" to "xla" (auto) or raises for unsupported shapes.
+
+  Raises:
+    NotImplementedError: `impl="pallas"` was asked for explicitly and the
+      kernels do not support these shapes.
+  """
+  if impl != "pallas":
+    return impl
+  reason = pallas.unsupported_reason(K, V, chunk_size)
+  if reason is None:
+    return impl
+  if requested == "pallas":
+    raise NotImplementedError(f"impl='pallas': {reason}")
+  logging.warning("KDA impl='auto': %s Falling back to impl='xla'.", reason)
+  return "xla"
 
 
 def _concrete(x):
@@ -133,10 +154,10 @@ def _validate(q, k, v, g, beta, *, scale, initial_state, segment_ids,
     jax.jit,
     static_argnames=("scale", "lower_bound", "use_gate_in_kernel",
                      "use_qk_l2norm_in_kernel", "safe_gate", "impl",
-                     "chunk_size"))
+                     "chunk_size", "pallas_interpret"))
 def _kda_core(q, k, v, g, beta, segment_ids, initial_state, A_log, dt_bias, *,
               scale, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel,
-              safe_gate, impl, chunk_size):
+              safe_gate, impl, chunk_size, pallas_interpret=None):
   """Canonicalises and runs one implementation. Returns f32 (o, state)."""
   B, T, H, K = q.shape
   V = v.shape[-1]
@@ -153,6 +174,9 @@ def _kda_core(q, k, v, g, beta, segment_ids, initial_state, A_log, dt_bias, *,
     h0 = initial_state.astype(jnp.float32)
   if impl == "reference":
     return reference.kda_recurrent(q, k, v, g, beta, segs, h0, scale)
+  if impl == "pallas":
+    return pallas.kda_pallas(q, k, v, g, beta, segs, h0, scale,
+                             interpret=pallas_interpret)
   return xla.kda_chunked(q, k, v, g, beta, segs, h0, scale,
                          chunk_size=chunk_size, safe_gate=safe_gate)
 
@@ -208,7 +232,10 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
     lower_bound: float in [-5, 0) selecting the bounded gate form.
     use_qk_l2norm_in_kernel: L2-normalise q and k (`x / sqrt(sum x^2 + 1e-6)`).
     chunk_size: chunk length C of the chunked path.
-    impl: "auto", "reference" (token-by-token oracle) or "xla" (chunked).
+    impl: "auto", "reference" (token-by-token oracle), "xla" (chunked) or
+      "pallas" (fused kernels; K, V <= 256, chunk_size 64; interpret mode
+      per `pallas.interpret_mode()`). "auto" is "pallas" on TPU/GPU (falling
+      back to "xla" with a warning for unsupported shapes), "xla" on CPU.
 
   Returns:
     `(o, final_state)`: o [B,T,H,V] in q's dtype; final_state float32
@@ -217,7 +244,9 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
 
   Raises:
     ValueError: on any malformed argument, before tracing.
+    NotImplementedError: impl="pallas" with shapes it does not support.
   """
+  requested = impl
   impl = resolve_impl(impl)
   if safe_gate and (not use_gate_in_kernel or lower_bound is None):
     raise ValueError("safe_gate=True needs the bounded gate: "
@@ -227,12 +256,14 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
       segment_ids=segment_ids, cu_seqlens=cu_seqlens, A_log=A_log,
       dt_bias=dt_bias, use_gate_in_kernel=use_gate_in_kernel,
       lower_bound=lower_bound, chunk_size=chunk_size)
+  impl = _check_pallas(requested, impl, K, V, chunk_size)
   core_kwargs = dict(
       scale=float(K ** -0.5 if scale is None else scale),
       lower_bound=None if lower_bound is None else float(lower_bound),
       use_gate_in_kernel=bool(use_gate_in_kernel),
       use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
-      safe_gate=bool(safe_gate), impl=impl, chunk_size=chunk_size)
+      safe_gate=bool(safe_gate), impl=impl, chunk_size=chunk_size,
+      pallas_interpret=pallas.interpret_mode() if impl == "pallas" else None)
   if cu_seqlens is None:
     o, state = _kda_core(q, k, v, g, beta, segment_ids, initial_state, A_log,
                          dt_bias, **core_kwargs)
