@@ -81,7 +81,8 @@ class TrainState(NamedTuple):
 
 
 # Libraries whose INFO logs `quiet_library_logs` drops (warnings stay).
-_CHATTY_LIBRARIES = ("/orbax/", "/tensorflow_datasets/", "/jax/")
+_CHATTY_LIBRARIES = ("/orbax/", "/tensorflow/", "/tensorflow_datasets/",
+                     "/jax/")
 
 
 class _LibraryInfoFilter(std_logging.Filter):
@@ -576,6 +577,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
                      manager.directory)
       state = jax.jit(init, out_shardings=shardings)(rng)
     writer.truncate_after(start_step)
+    if start_step >= num_steps:
+      logging.info("Nothing to train: the checkpoint is at step %d and "
+                   "config.train.num_steps is %d (raise it to train on).",
+                   start_step, num_steps)
     last_checkpoint = manager.latest_step() if manager else None
 
     update = jax.jit(make_update_fn(model, tx, schedule),

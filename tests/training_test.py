@@ -13,6 +13,7 @@ import sys
 import time
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 import numpy as np
 import pytest
 
@@ -84,6 +85,7 @@ def cache_dir(tmp_path_factory):
   yield path
   jax.config.update("jax_compilation_cache_dir", old[0])
   jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
+  compilation_cache.reset_cache()
 
 
 def overrides(data_dir, **extra):
