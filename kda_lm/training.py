@@ -21,9 +21,16 @@ unknown and missing keys. One run:
 
 Output in `workdir`: `config.json`, `metrics.jsonl` (train rows: `step`,
 `loss`, `accuracy`, `grad_norm`, `update_norm`, `lr`, `tokens_per_s`,
-`wall_s`; eval rows: `step`, `eval_loss`, `eval_accuracy`, `eval_tokens`,
-`wall_s`), `checkpoints/`, optionally `tensorboard/`. `step` counts completed
-updates; a train row averages the steps since the previous row.
+`wall_s`; with MTP also `mtp_loss`, with MoE `moe_load_max`,
+`moe_load_min`, `moe_load_imbalance` (see `load_metrics`); eval rows:
+`step`, `eval_loss`, `eval_accuracy`, `eval_tokens`, `wall_s`),
+`checkpoints/`, optionally `tensorboard/`. `step` counts completed updates;
+a train row averages the steps since the previous row.
+
+MoE selection biases (`e_score_correction_bias`) are parameters that no
+gradient reaches; the update step sets them from the expert load that
+`apply(..., return_aux=True)` returns, so they live in `TrainState.params`
+and are checkpointed with them.
 
 A non-finite loss, gradient or update raises `FloatingPointError` naming the
 step before any checkpoint of that step is written.
@@ -249,34 +256,121 @@ def _apply(model: hk.Transformed, params: hk.Params, batch: Batch
                      positions=batch["positions"])
 
 
+def _apply_aux(model: hk.Transformed, params: hk.Params, batch: Batch
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  return model.apply(params, batch["inputs"],
+                     segment_ids=batch["segment_ids"],
+                     positions=batch["positions"], return_aux=True)
+
+
+def mtp_loss(mtp_logits: jax.Array, batch: Batch) -> jax.Array:
+  """Mean MTP cross-entropy over MTP layers, segment-aware.
+
+  Args:
+    mtp_logits: [num_mtp_layers, B,T,V]; layer k-1 predicts t_{i+k+1}.
+    batch: with `targets`, `loss_mask` and `segment_ids`.
+
+  Returns:
+    The float32 mean over layers of each layer's masked mean cross-entropy
+    (targets and weights from `kda_lm.layers.mtp.targets_and_mask`).
+  """
+  from kda_lm.layers import mtp  # pylint: disable=g-import-not-at-top
+  losses = []
+  for k in range(1, mtp_logits.shape[0] + 1):
+    targets, mask = mtp.targets_and_mask(batch["targets"], batch["loss_mask"],
+                                         batch["segment_ids"], k)
+    ce = optax.softmax_cross_entropy_with_integer_labels(
+        mtp_logits[k - 1].astype(jnp.float32), targets)
+    losses.append((ce * mask).sum() / jnp.maximum(mask.sum(), 1.0))
+  return jnp.mean(jnp.stack(losses))
+
+
+def load_metrics(expert_load: jax.Array) -> dict[str, jax.Array]:
+  """Load balance of `aux["expert_load"]` [layers, E].
+
+  Returns:
+    `moe_load_max` / `moe_load_min`: the largest / smallest fraction of a
+    layer's routed tokens that one expert received, over all MoE layers
+    (uniform = 1/E), and `moe_load_imbalance`: the worst layer's max / mean.
+  """
+  frac = expert_load / jnp.maximum(expert_load.sum(-1, keepdims=True), 1.0)
+  return {"moe_load_max": frac.max(), "moe_load_min": frac.min(),
+          "moe_load_imbalance": (frac.max(-1) * frac.shape[-1]).max()}
+
+
 def make_update_fn(model: hk.Transformed, tx: optax.GradientTransformation,
-                   schedule: optax.Schedule
+                   schedule: optax.Schedule,
+                   model_config: ml_collections.ConfigDict | None = None
                    ) -> Callable[[TrainState, Batch],
                                  tuple[TrainState, dict[str, jax.Array]]]:
-  """Returns `update(state, batch) -> (state, metrics)` (not jitted)."""
+  """Returns `update(state, batch) -> (state, metrics)` (not jitted).
+
+  With a MoE or MTP `model_config`: the loss adds `mtp_loss_scale` times
+  the MTP loss (logged as `mtp_loss`; `loss` stays the main loss), and after
+  the optimizer step every MoE selection bias is set to its old value moved
+  by `router_bias_update_rate` toward a uniform load (the optimizer never
+  changes it); metrics add the load balance (`load_metrics`).
+  """
+  cfg = (None if model_config is None
+         else _model_module().resolve_config(model_config))
+  with_aux = cfg is not None and bool(cfg["num_experts"]
+                                      or cfg["num_mtp_layers"])
+  bias_modules = (_model_module().router_bias_modules(model_config)
+                  if with_aux else [])
 
   def loss_fn(params, batch):
-    loss_sum, correct, weight = loss_terms(_apply(model, params, batch),
-                                           batch)
+    if not with_aux:
+      logits, aux = _apply(model, params, batch), {}
+    else:
+      logits, aux = _apply_aux(model, params, batch)
+    loss_sum, correct, weight = loss_terms(logits, batch)
     denom = jnp.maximum(weight, 1.0)
-    return loss_sum / denom, correct / denom
+    loss = loss_sum / denom
+    extra = {"accuracy": correct / denom, "main_loss": loss}
+    if "mtp_logits" in aux:
+      extra["mtp_loss"] = mtp_loss(aux["mtp_logits"], batch)
+      loss = loss + cfg["mtp_loss_scale"] * extra["mtp_loss"]
+    if "expert_load" in aux:
+      extra["expert_load"] = jax.lax.stop_gradient(aux["expert_load"])
+    return loss, extra
 
   def update(state: TrainState, batch: Batch):
-    (loss, accuracy), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+    (_, extra), grads = jax.value_and_grad(loss_fn, has_aux=True)(
         state.params, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    if bias_modules:
+      params = _model_module().update_router_bias(
+          _keep_bias(params, state.params, bias_modules),
+          extra["expert_load"], bias_modules,
+          float(cfg["router_bias_update_rate"]))
     rng, _ = jax.random.split(state.rng)
     metrics = {
-        "loss": loss,
-        "accuracy": accuracy,
+        "loss": extra["main_loss"],
+        "accuracy": extra["accuracy"],
         "grad_norm": optax.global_norm(grads),
         "update_norm": optax.global_norm(updates),
         "lr": jnp.asarray(schedule(state.step), jnp.float32),
     }
+    if "mtp_loss" in extra:
+      metrics["mtp_loss"] = extra["mtp_loss"]
+    if "expert_load" in extra:
+      metrics.update(load_metrics(extra["expert_load"]))
     return TrainState(params, opt_state, rng, state.step + 1), metrics
 
   return update
+
+
+def _keep_bias(params: hk.Params, old: hk.Params, modules: list[str]
+               ) -> hk.Params:
+  """`params` with the selection biases of `modules` taken from `old`."""
+  from kda_lm.layers import moe  # pylint: disable=g-import-not-at-top
+  new = dict(params)
+  for module in modules:
+    entry = dict(new[module])
+    entry[moe.BIAS_NAME] = old[module][moe.BIAS_NAME]
+    new[module] = entry
+  return new
 
 
 def make_eval_fn(model: hk.Transformed
@@ -430,6 +524,8 @@ class _Window:
     self.tokens = 0
     self.start = time.time()
     self.paused = 0.0
+    self.first_tokens = 0
+    self.first_s = 0.0
 
   def fetch(self) -> list[tuple[int, dict[str, float]]]:
     """Copies pending metrics to the host (the only device sync)."""
@@ -445,10 +541,13 @@ class _Window:
   def row(self) -> dict[str, float]:
     rows = [m for _, m in self.fetched]
     out = {k: float(np.mean([m[k] for m in rows]))
-           for k in ("loss", "accuracy", "grad_norm", "update_norm")}
+           for k in rows[-1] if k != "lr"}
     out["lr"] = rows[-1]["lr"]
-    elapsed = max(time.time() - self.start - self.paused, 1e-9)
-    out["tokens_per_s"] = self.tokens / elapsed
+    if self.tokens:
+      elapsed = max(time.time() - self.start - self.paused, 1e-9)
+      out["tokens_per_s"] = self.tokens / elapsed
+    else:  # Only the first step, whose time includes compilation.
+      out["tokens_per_s"] = self.first_tokens / max(self.first_s, 1e-9)
     return out
 
   def reset(self) -> None:
@@ -583,7 +682,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
                    start_step, num_steps)
     last_checkpoint = manager.latest_step() if manager else None
 
-    update = jax.jit(make_update_fn(model, tx, schedule),
+    update = jax.jit(make_update_fn(model, tx, schedule, config.model),
                      in_shardings=(shardings, data_sharding),
                      out_shardings=(shardings, replicated),
                      donate_argnums=0)
@@ -610,8 +709,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
         # One extra sync: the first step includes compilation, which
         # tokens/s leaves out.
         first = window.fetch()
+        window.first_s = time.time() - window.start
+        window.first_tokens = window.tokens
         logging.info("Step %d (compilation included) took %.1f s.", step,
-                     time.time() - window.start)
+                     window.first_s)
         window.reset()
         window.fetched = first
       last = step == num_steps

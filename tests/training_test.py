@@ -45,6 +45,8 @@ TINY = {
     "data.shuffle_buffer": 64,
     "data.pack_window_rows": 8,
     "opt.warmup_steps": 2,
+    # Fixed, so that runs of any length share one compiled update step.
+    "opt.decay_steps": 6,
     "opt.peak_lr": 1e-2,
     "train.num_steps": 4,
     "train.log_every": 1,
@@ -193,8 +195,7 @@ def test_one_step_smoke(tmp_path, data_dir, cache_dir):
 
 def test_exact_resume_in_a_new_process(tmp_path, data_dir, cache_dir):
   n = 3
-  common = dict(opt__decay_steps=2 * n, eval__every_steps=0,
-                checkpoint__every_steps=n)
+  common = dict(eval__every_steps=0, checkpoint__every_steps=n)
   straight = str(tmp_path / "straight")
   state = training.train_and_evaluate(
       tiny_config(data_dir, train__num_steps=2 * n, **common), straight)
@@ -346,19 +347,43 @@ def test_weight_decay_mask():
   }
 
 
+_FOUR_DEVICES = """
+import importlib.util
+import sys
+
+import jax
+
+from kda_lm import training
+
+spec = importlib.util.spec_from_file_location("tiny", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+assert jax.device_count() == 4, jax.devices()
+config = module.get_config()
+for fsdp, workdir in ((1, sys.argv[2]), (2, sys.argv[3])):
+  config.mesh.fsdp = fsdp
+  print("mesh", dict(training.make_mesh(config.mesh).shape))
+  state = training.train_and_evaluate(config, workdir)
+  print("devices", len(state.params["embed"]["embeddings"].sharding.device_set))
+"""
+
+
 def test_four_devices_match_one(tmp_path, data_dir, cache_dir):
   common = dict(train__num_steps=3, eval__every_steps=3,
                 checkpoint__enabled=False)
   one = str(tmp_path / "one")
   training.train_and_evaluate(tiny_config(data_dir, **common), one)
-  four = str(tmp_path / "four")
-  fsdp = str(tmp_path / "fsdp")
+  four, fsdp = str(tmp_path / "four"), str(tmp_path / "fsdp")
   config_file = write_config_file(tmp_path, data_dir, **common)
-  flag = "--xla_force_host_platform_device_count=4"
-  result = run_train(config_file, four, cache_dir, xla_flags=flag)
-  assert "4 devices" in result.stderr
-  run_train(config_file, fsdp, cache_dir, "--config.mesh.fsdp=2",
-            xla_flags=flag)
+  result = subprocess.run(
+      [sys.executable, "-c", _FOUR_DEVICES, config_file, four, fsdp],
+      cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+      env=subprocess_env(
+          cache_dir, "--xla_force_host_platform_device_count=4"))
+  assert result.returncode == 0, result.stderr[-4000:]
+  assert result.stdout.split("\n")[:4] == [
+      "mesh {'data': 4, 'fsdp': 1}", "devices 4",
+      "mesh {'data': 2, 'fsdp': 2}", "devices 4"], result.stdout
   expected = metrics.read_metrics(one)
   for workdir in (four, fsdp):
     rows = metrics.read_metrics(workdir)
