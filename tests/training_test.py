@@ -162,7 +162,7 @@ def assert_trees_equal(a, b):
 def test_one_step_smoke(tmp_path, data_dir, cache_dir):
   del cache_dir
   workdir = str(tmp_path / "run")
-  config = tiny_config(data_dir, train__num_steps=1)
+  config = tiny_config(data_dir, train__num_steps=1, train__tensorboard=True)
   state = training.train_and_evaluate(config, workdir)
   assert int(state.step) == 1
   rows = metrics.read_metrics(workdir)
@@ -176,6 +176,8 @@ def test_one_step_smoke(tmp_path, data_dir, cache_dir):
   with open(os.path.join(workdir, "config.json")) as f:
     assert json.load(f)["model"]["d_model"] == 32
   assert os.listdir(os.path.join(workdir, "checkpoints")) == ["1"]
+  assert any(name.startswith("events.out.tfevents") for name in
+             os.listdir(os.path.join(workdir, "tensorboard")))
   # Rerunning the finished run restores and does nothing more.
   again = training.train_and_evaluate(config, workdir)
   assert_trees_equal(again.params, state.params)
@@ -320,6 +322,22 @@ def test_unknown_and_bad_config_keys(data_dir):
   config.lock()
   with pytest.raises(AttributeError):
     config.train.stepz = 3
+
+
+@pytest.mark.parametrize("variant,pattern,dataset", [
+    ("", "KKKM", "delayed_copy"), ("text", "KKKM", "text_files"),
+    ("kda_only", "KKKK", "delayed_copy"), ("mla_only", "MMMM", "delayed_copy"),
+    ("text,kda_only", "KKKK", "text_files")])
+def test_config_variants(variant, pattern, dataset):
+  config = ling3_tiny.get_config(variant)
+  training.check_config(config)
+  assert config.model.attention_pattern == pattern
+  assert config.data.name == dataset
+  assert config.model.vocab_size == pipeline.vocab_size(config.data)
+  # The default delay is beyond the short-conv receptive field of the model.
+  assert config.data.delay > len(pattern) * (config.model.conv_size - 1)
+  with pytest.raises(ValueError, match="variant"):
+    ling3_tiny.get_config("large")
 
 
 def test_check_batch_names_bad_token():
