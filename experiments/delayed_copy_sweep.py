@@ -24,7 +24,6 @@ from typing import Any
 from absl import app, flags, logging
 
 from configs import ling3_tiny
-from experiments import plot_metrics
 from kda_lm import metrics, training
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/delayed_copy_sweep",
@@ -99,7 +98,7 @@ def run(name: str, config: Any) -> dict[str, Any]:
     training.train_and_evaluate(config, workdir)
     logging.info("%s: %.0f s", name, time.time() - start)
     rows = metrics.read_metrics(workdir)
-  hit = plot_metrics.first_reaching(rows, _TARGET.value)
+  hit = metrics.first_reaching(rows, _TARGET.value)
   evals = [r for r in rows if "eval_accuracy" in r]
   return {
       "workdir": workdir,

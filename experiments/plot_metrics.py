@@ -9,7 +9,7 @@ step (and wall time) at which eval accuracy reached `--target`.
 """
 
 import os
-from typing import Any, Sequence
+from typing import Sequence
 
 from absl import app, flags
 import matplotlib
@@ -23,15 +23,6 @@ _OUT = flags.DEFINE_string("out", None,
                            "PNG path; default <first workdir>/metrics.png.")
 _TARGET = flags.DEFINE_float("target", 0.99,
                              "Eval accuracy whose first step is reported.")
-
-
-def first_reaching(rows: Sequence[dict[str, Any]], target: float
-                   ) -> dict[str, Any] | None:
-  """Returns the first eval row with `eval_accuracy >= target`, or None."""
-  for row in rows:
-    if row.get("eval_accuracy", -1.0) >= target:
-      return row
-  return None
 
 
 def _series(rows, key):
@@ -99,7 +90,7 @@ def main(argv):
   print(f"Wrote {path}")
   for workdir in workdirs:
     rows = metrics.read_metrics(workdir)
-    hit = first_reaching(rows, _TARGET.value)
+    hit = metrics.first_reaching(rows, _TARGET.value)
     train = [r for r in rows if "tokens_per_s" in r]
     speed = (sum(r["tokens_per_s"] for r in train) / len(train)
              if train else float("nan"))

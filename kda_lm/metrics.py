@@ -48,6 +48,25 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in f if line.strip()]
 
 
+def first_reaching(rows: list[dict[str, Any]], target: float,
+                   key: str = "eval_accuracy") -> dict[str, Any] | None:
+  """Returns the first row whose `key` is >= `target`, or None.
+
+  Args:
+    rows: metrics rows, e.g. from `read_metrics`.
+    target: the threshold, e.g. 0.99.
+    key: the metric.
+
+  Returns:
+    The row (with its `step` and `wall_s`), or None if never reached.
+  """
+  for row in rows:
+    value = row.get(key)
+    if isinstance(value, (int, float)) and value >= target:
+      return row
+  return None
+
+
 class MetricsWriter:
   """Appends metric rows to `metrics.jsonl` and optional TensorBoard events."""
 
