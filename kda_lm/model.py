@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda_lm.layers import kda, linear, mla, mlp, norm, segments
+from kda_lm.layers import kda, linear, mla, mlp, moe, mtp, norm, segments
 from kda_lm.ops.kda import api as kda_api
 
 LAYER_KINDS = {"K": "kda", "M": "mla"}
@@ -43,7 +43,14 @@ _DEFAULTS = dict(
     embed_init_std=None, param_dtype="float32", compute_dtype="float32",
     kda_impl="auto", kda_chunk_size=64, kda_gate="ling", conv_size=4,
     q_lora_rank=0, rope_theta=10000.0, use_nope=False, mla_output_gate=False,
-    tie_embeddings=False)
+    tie_embeddings=False,
+    # Mixture of experts (kda_lm/layers/moe.py); num_experts 0 = dense.
+    num_experts=0, num_experts_per_tok=1, num_shared_experts=0,
+    moe_intermediate_size=None, first_k_dense_replace=0,
+    routed_scaling_factor=1.0, n_group=1, topk_group=1,
+    router_bias_update_rate=1e-3,
+    # Multi-token prediction (kda_lm/layers/mtp.py); 0 = none.
+    num_mtp_layers=0, mtp_loss_scale=0.1, mtp_layer_kind="M")
 _REQUIRED = ("vocab_size", "d_model", "attention_pattern", "num_heads",
              "head_dim", "kv_lora_rank", "qk_nope_head_dim",
              "qk_rope_head_dim", "v_head_dim", "mlp_hidden_dim")
@@ -145,28 +152,65 @@ def resolve_config(model_config: Any) -> dict[str, Any]:
       cfg["norm_eps"] > 0):
     raise ValueError("model.embed_init_std, rope_theta and norm_eps must be "
                      "positive.")
+  for key in ("num_experts", "num_shared_experts", "first_k_dense_replace",
+              "num_mtp_layers"):
+    if isinstance(cfg[key], bool) or not isinstance(
+        cfg[key], (int, np.integer)) or cfg[key] < 0:
+      raise ValueError(f"model.{key} must be an int >= 0, got "
+                       f"{cfg[key]!r}.")
+    cfg[key] = int(cfg[key])
+  if cfg["num_experts"]:
+    if cfg["moe_intermediate_size"] is not None:
+      cfg["moe_intermediate_size"] = _positive_int(
+          "moe_intermediate_size", cfg["moe_intermediate_size"])
+    cfg["moe_intermediate_size"] = (cfg["moe_intermediate_size"]
+                                    or cfg["mlp_hidden_dim"])
+    for key in ("num_experts_per_tok", "n_group", "topk_group"):
+      cfg[key] = _positive_int(key, cfg[key])
+    moe.check_dims(num_experts=cfg["num_experts"],
+                   num_experts_per_tok=cfg["num_experts_per_tok"],
+                   n_group=cfg["n_group"], topk_group=cfg["topk_group"])
+  if cfg["mtp_layer_kind"] not in LAYER_KINDS:
+    raise ValueError(f"model.mtp_layer_kind must be one of "
+                     f"{sorted(LAYER_KINDS)}, got {cfg['mtp_layer_kind']!r}.")
+  if not cfg["router_bias_update_rate"] >= 0 or not (
+      cfg["mtp_loss_scale"] >= 0):
+    raise ValueError("model.router_bias_update_rate and mtp_loss_scale must "
+                     "be >= 0.")
   return cfg
 
 
-class DecoderBlock(hk.Module):
-  """Pre-norm block: `x + mixer(norm(x))`, then `x + SwiGLU(norm(x))`."""
+def is_moe_layer(cfg: dict[str, Any], i: int) -> bool:
+  """Whether decoder layer `i` (0-based) has a MoE feed-forward."""
+  return bool(cfg["num_experts"]) and i >= cfg["first_k_dense_replace"]
 
-  def __init__(self, kind: str, cfg: dict[str, Any],
+
+class DecoderBlock(hk.Module):
+  """Pre-norm block: `x + mixer(norm(x))`, then `x + FFN(norm(x))`.
+
+  FFN is a dense SwiGLU, or with `use_moe` the MoE of
+  `kda_lm/layers/moe.py`.
+  """
+
+  def __init__(self, kind: str, cfg: dict[str, Any], use_moe: bool = False,
                name: Optional[str] = None):
     """Initialises the module.
 
     Args:
       kind: "K" (KDA) or "M" (MLA).
       cfg: a resolved model config (`resolve_config`).
+      use_moe: a MoE feed-forward instead of the dense SwiGLU.
       name: module name.
     """
     super().__init__(name=name)
     self.kind = kind
     self.cfg = cfg
+    self.use_moe = use_moe
 
   def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array],
-               positions: jax.Array) -> jax.Array:
-    """Maps `x [B,T,D]` to `[B,T,D]`."""
+               positions: jax.Array
+               ) -> tuple[jax.Array, Optional[jax.Array]]:
+    """Maps `x [B,T,D]` to (`[B,T,D]`, expert load [E] or None)."""
     cfg = self.cfg
     pdt = jnp.dtype(cfg["param_dtype"])
     eps = cfg["norm_eps"]
@@ -190,8 +234,18 @@ class DecoderBlock(hk.Module):
               h, segment_ids, positions)
     x = x + h
     h = norm.RMSNorm(eps, pdt, name="mlp_norm")(x)
-    return x + mlp.SwiGLU(cfg["mlp_hidden_dim"], param_dtype=pdt,
-                          name="mlp")(h)
+    if not self.use_moe:
+      return x + mlp.SwiGLU(cfg["mlp_hidden_dim"], param_dtype=pdt,
+                            name="mlp")(h), None
+    h, load = moe.MoE(
+        cfg["num_experts"], cfg["num_experts_per_tok"],
+        cfg["moe_intermediate_size"],
+        num_shared_experts=cfg["num_shared_experts"],
+        routed_scaling_factor=cfg["routed_scaling_factor"],
+        n_group=cfg["n_group"], topk_group=cfg["topk_group"],
+        param_dtype=pdt, name="moe")(
+            h, None if segment_ids is None else segment_ids != 0)
+    return x + h, load
 
 
 def _check_int_array(name: str, x: Any, shape: Optional[tuple[int, ...]]):
@@ -227,7 +281,8 @@ def check_tokens(tokens: Any, vocab_size: int) -> None:
 
 def forward(cfg: dict[str, Any], tokens: jax.Array,
             segment_ids: Optional[jax.Array] = None,
-            positions: Optional[jax.Array] = None) -> jax.Array:
+            positions: Optional[jax.Array] = None, *,
+            return_aux: bool = False) -> Any:
   """The decoder; call inside `hk.transform` (see `build`).
 
   Args:
@@ -238,8 +293,14 @@ def forward(cfg: dict[str, Any], tokens: jax.Array,
     positions: optional [B,T] int RoPE positions. None = derived from
       `segment_ids` (0 at each document start, 0 on padding), or 0..T-1.
 
+    return_aux: also return a dict of auxiliary outputs.
+
   Returns:
-    [B,T,vocab_size] float32 logits (padding rows hold finite garbage).
+    [B,T,vocab_size] float32 logits (padding rows hold finite garbage); with
+    `return_aux`, `(logits, aux)` where `aux` may hold `expert_load`
+    [MoE layers, E] float32 (tokens routed to each expert, padding not
+    counted; MTP blocks' MoE layers last) and `mtp_logits`
+    [num_mtp_layers, B,T,vocab] float32 (layer k-1 predicts t_{i+k+1}).
 
   Raises:
     ValueError: a malformed `tokens`, or `segment_ids`/`positions` whose
@@ -271,15 +332,47 @@ def forward(cfg: dict[str, Any], tokens: jax.Array,
   # wrap) reads NaN instead of being clipped to a valid row.
   ids = jnp.where(tokens < 0, vocab, tokens)
   x_BTD = jnp.take(emb_VD, ids, axis=0, mode="fill").astype(cdt)
+  emb_BTD = x_BTD
+  loads = []
   for i, kind in enumerate(cfg["attention_pattern"]):
-    x_BTD = DecoderBlock(kind, cfg, name=f"layer_{i}")(
-        x_BTD, segment_ids, positions)
-  x_BTD = norm.RMSNorm(cfg["norm_eps"], pdt, name="final_norm")(x_BTD)
+    x_BTD, load = DecoderBlock(kind, cfg, is_moe_layer(cfg, i),
+                               name=f"layer_{i}")(
+                                   x_BTD, segment_ids, positions)
+    if load is not None:
+      loads.append(load)
+  h_BTD = x_BTD
   if cfg["tie_embeddings"]:
-    return jnp.einsum("btd,vd->btv", x_BTD, emb_VD.astype(cdt),
-                      preferred_element_type=jnp.float32)
-  return linear.Dense(vocab, param_dtype=pdt, out_dtype=jnp.float32,
-                      name="lm_head")(x_BTD)
+    head = lambda y: jnp.einsum("btd,vd->btv", y, emb_VD.astype(cdt),
+                                preferred_element_type=jnp.float32)
+  else:
+    head = linear.Dense(vocab, param_dtype=pdt, out_dtype=jnp.float32,
+                        name="lm_head")
+  logits = head(norm.RMSNorm(cfg["norm_eps"], pdt, name="final_norm")(x_BTD))
+  if not return_aux and not (cfg["num_mtp_layers"] and hk.running_init()):
+    return logits
+  aux = {}
+  mtp_logits = []
+  for k in range(1, cfg["num_mtp_layers"] + 1):
+    # Layer k reads t_{i+k}; zeroed outside position i's document.
+    same = mtp.same_segment_ahead(segment_ids, k, shape)
+    e_BTD = jnp.where(same[..., None], mtp.shift_left(emb_BTD, k),
+                      0).astype(cdt)
+    with hk.name_scope(f"mtp_{k - 1}"):
+      h_BTD = mtp.MTPInput(cfg["norm_eps"], pdt, name="input")(e_BTD, h_BTD)
+      h_BTD, load = DecoderBlock(cfg["mtp_layer_kind"], cfg,
+                                 bool(cfg["num_experts"]), name="block")(
+                                     h_BTD, segment_ids, positions)
+      if load is not None:
+        loads.append(load)
+      mtp_logits.append(head(norm.RMSNorm(cfg["norm_eps"], pdt,
+                                          name="final_norm")(h_BTD)))
+  if loads:
+    aux["expert_load"] = jnp.stack(loads)
+  if mtp_logits:
+    aux["mtp_logits"] = jnp.stack(mtp_logits)
+  if not return_aux:
+    return logits
+  return logits, aux
 
 
 def build(model_config: Any) -> hk.Transformed:
@@ -291,15 +384,18 @@ def build(model_config: Any) -> hk.Transformed:
   Returns:
     An `hk.Transformed` without apply rng: `init(rng, tokens,
     segment_ids=None, positions=None)` and `apply(params, tokens,
-    segment_ids=None, positions=None) -> float32 logits [B,T,vocab]`.
+    segment_ids=None, positions=None, return_aux=False) -> float32 logits
+    [B,T,vocab]` (or `(logits, aux)`, see `forward`). MoE selection biases
+    are parameters that gradients never reach (`moe_bias_paths`).
 
   Raises:
     ValueError: an invalid config (see `resolve_config`).
   """
   cfg = resolve_config(model_config)
 
-  def fn(tokens, segment_ids=None, positions=None):
-    return forward(cfg, tokens, segment_ids, positions)
+  def fn(tokens, segment_ids=None, positions=None, return_aux=False):
+    return forward(cfg, tokens, segment_ids, positions,
+                   return_aux=return_aux)
 
   return hk.without_apply_rng(hk.transform(fn))
 
@@ -315,29 +411,80 @@ def weight_decay_mask(params: hk.Params) -> hk.Params:
       params)
 
 
-def param_count(model_config: Any) -> int:
-  """Parameter count by shape arithmetic (checks `init` in tests)."""
-  cfg = resolve_config(model_config)
-  D, F = cfg["d_model"], cfg["mlp_hidden_dim"]
-  n = cfg["vocab_size"] * D + D                      # embedding, final norm
-  if not cfg["tie_embeddings"]:
-    n += D * cfg["vocab_size"]
-  for kind in cfg["attention_pattern"]:
-    n += 2 * D + 3 * D * F                           # two norms, SwiGLU
-    if kind == "K":
-      n += kda.param_count(D, cfg["num_heads"], cfg["head_dim"],
+def _mixer_param_count(cfg: dict[str, Any], kind: str) -> int:
+  D = cfg["d_model"]
+  if kind == "K":
+    return kda.param_count(D, cfg["num_heads"], cfg["head_dim"],
                            head_v_dim=cfg["kda_head_v_dim"],
                            gate=cfg["kda_gate"], conv_size=cfg["conv_size"],
                            conv_bias=cfg["conv_bias"])
-    else:
-      n += mla.param_count(D, cfg["mla_num_heads"],
-                           q_lora_rank=cfg["q_lora_rank"],
-                           kv_lora_rank=cfg["kv_lora_rank"],
-                           qk_nope_head_dim=cfg["qk_nope_head_dim"],
-                           qk_rope_head_dim=cfg["qk_rope_head_dim"],
-                           v_head_dim=cfg["v_head_dim"],
-                           output_gate=cfg["mla_output_gate"])
+  return mla.param_count(D, cfg["mla_num_heads"],
+                         q_lora_rank=cfg["q_lora_rank"],
+                         kv_lora_rank=cfg["kv_lora_rank"],
+                         qk_nope_head_dim=cfg["qk_nope_head_dim"],
+                         qk_rope_head_dim=cfg["qk_rope_head_dim"],
+                         v_head_dim=cfg["v_head_dim"],
+                         output_gate=cfg["mla_output_gate"])
+
+
+def _ffn_param_count(cfg: dict[str, Any], use_moe: bool) -> int:
+  D = cfg["d_model"]
+  if not use_moe:
+    return 3 * D * cfg["mlp_hidden_dim"]
+  return moe.param_count(D, cfg["num_experts"], cfg["moe_intermediate_size"],
+                         cfg["num_shared_experts"])
+
+
+def param_count(model_config: Any) -> int:
+  """Parameter count by shape arithmetic (checks `init` in tests)."""
+  cfg = resolve_config(model_config)
+  D = cfg["d_model"]
+  n = cfg["vocab_size"] * D + D                      # embedding, final norm
+  if not cfg["tie_embeddings"]:
+    n += D * cfg["vocab_size"]
+  for i, kind in enumerate(cfg["attention_pattern"]):
+    n += 2 * D + _mixer_param_count(cfg, kind)       # two norms, mixer
+    n += _ffn_param_count(cfg, is_moe_layer(cfg, i))
+  kind = cfg["mtp_layer_kind"]
+  n += cfg["num_mtp_layers"] * (
+      2 * D + 2 * D * D                              # enorm, hnorm, eh_proj
+      + 2 * D + _mixer_param_count(cfg, kind)
+      + _ffn_param_count(cfg, bool(cfg["num_experts"]))
+      + D)                                           # MTP final norm
   return n
+
+
+def router_bias_modules(model_config: Any) -> list[str]:
+  """Module paths of the MoE layers, in the order of `aux["expert_load"]`."""
+  cfg = resolve_config(model_config)
+  paths = [f"layer_{i}/moe" for i in range(len(cfg["attention_pattern"]))
+           if is_moe_layer(cfg, i)]
+  if cfg["num_experts"]:
+    paths += [f"mtp_{k}/block/moe" for k in range(cfg["num_mtp_layers"])]
+  return paths
+
+
+def update_router_bias(params: hk.Params, expert_load: jax.Array,
+                       modules: list[str], rate: float) -> hk.Params:
+  """Moves each MoE layer's selection bias toward a uniform load.
+
+  Args:
+    params: the parameters (not modified).
+    expert_load: [len(modules), E] tokens per expert (`aux["expert_load"]`).
+    modules: `router_bias_modules(model_config)`.
+    rate: `model.router_bias_update_rate`.
+
+  Returns:
+    `params` with every `<module>/e_score_correction_bias` replaced by
+    `bias + rate * sign(mean(load) - load)`.
+  """
+  new = dict(params)
+  for row, module in enumerate(modules):
+    entry = dict(new[module])
+    entry[moe.BIAS_NAME] = moe.update_bias(entry[moe.BIAS_NAME],
+                                           expert_load[row], rate)
+    new[module] = entry
+  return type(params)(new) if isinstance(params, dict) else new
 
 
 def abstract_params(model_config: Any, seq_len: int = 8) -> hk.Params:
@@ -368,15 +515,20 @@ def summary(model_config: Any, *, shapes: bool = True) -> str:
 
   def kind(top):
     if top.startswith("layer_"):
-      c = cfg["attention_pattern"][int(top.split("_")[1])]
-      return f"KDA ({gate}) + SwiGLU" if c == "K" else "MLA + SwiGLU"
+      i = int(top.split("_")[1])
+      c = cfg["attention_pattern"][i]
+      ffn = "MoE" if is_moe_layer(cfg, i) else "SwiGLU"
+      return f"KDA ({gate}) + {ffn}" if c == "K" else f"MLA + {ffn}"
+    if top.startswith("mtp_"):
+      return "MTP"
     return {"embed": "embedding" + (" (tied head)" if cfg["tie_embeddings"]
                                     else ""),
             "final_norm": "RMSNorm", "lm_head": "linear"}.get(top, "?")
 
   order = (["embed"] + [f"layer_{i}" for i in
                         range(len(cfg["attention_pattern"]))]
-           + ["final_norm", "lm_head"])
+           + ["final_norm", "lm_head"]
+           + [f"mtp_{k}" for k in range(cfg["num_mtp_layers"])])
   lines = [f"{'layer':<12} {'type':<26} {'parameters':>12}",
            "-" * 52]
   for top in order:

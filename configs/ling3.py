@@ -1,0 +1,112 @@
+r"""The published Ling 3.0 shapes (`BailingMoeV3`), for shape-level use.
+
+`get_config("tiny")` is Ling-3.0-tiny (7.9B total / 1.3B activated),
+`get_config("flash")` Ling-3.0-flash (~125B / 5.1B, plus one MTP layer);
+see `../shared/notes/architecture.md`. Only the `model` dict is real: the
+other sections are ling3_tiny's so that the config passes
+`kda_lm.training.check_config`, but these models are far too large to
+train or even initialise on this machine. Use them with `jax.eval_shape`:
+
+  python -m kda_lm.model --config=configs/ling3.py:tiny --noshapes
+  python -m configs.ling3          # total / activated parameter table
+
+Parameter conventions (`count_params`): "total" is every parameter of the
+main model (embedding and LM head included, MTP layers excluded, as
+DeepSeek-V3 reports 671B + 14B MTP); "activated" is what one token reads:
+total minus the routed experts it does not select (`E - k` of `E` per MoE
+layer), minus the input embedding table (a lookup, not a matmul), the LM
+head counted. `count_params` also returns the MTP layers separately.
+"""
+
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from configs import ling3_tiny
+from kda_lm import model as model_lib
+
+SIZES = ("tiny", "flash")
+
+
+def model_config(size: str) -> ml_collections.ConfigDict:
+  """The `model` dict of Ling-3.0-`size`."""
+  m = ling3_tiny.model_config()
+  # Shared by both sizes.
+  m.update(dict(
+      vocab_size=157184, head_dim=128, kda_gate="ling", conv_size=4,
+      kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+      v_head_dim=128, rope_theta=6e6, use_nope=False, mla_output_gate=True,
+      tie_embeddings=False, num_experts_per_tok=8, num_shared_experts=1,
+      routed_scaling_factor=2.5, compute_dtype="bfloat16"))
+  if size == "tiny":
+    m.update(dict(
+        d_model=1536, attention_pattern=model_lib.ling_pattern(24, 4),
+        num_heads=16, q_lora_rank=256, mlp_hidden_dim=4608, num_experts=128,
+        moe_intermediate_size=512, first_k_dense_replace=1,
+        num_mtp_layers=0))
+  elif size == "flash":
+    m.update(dict(
+        d_model=2560, attention_pattern=model_lib.ling_pattern(42, 6),
+        num_heads=32, q_lora_rank=0, mlp_hidden_dim=6144, num_experts=512,
+        moe_intermediate_size=768, first_k_dense_replace=2, n_group=8,
+        topk_group=4, num_mtp_layers=1))
+  else:
+    raise ValueError(f"Unknown Ling 3.0 size {size!r}; expected one of "
+                     f"{SIZES}.")
+  return m
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """`--config=configs/ling3.py:tiny` or `:flash` (default tiny)."""
+  config = ling3_tiny.get_config()
+  config.model = model_config(arg or "tiny")
+  return config
+
+
+def count_params(model_config: Any) -> dict[str, int]:
+  """Total / activated / MTP parameters from `jax.eval_shape` (no memory).
+
+  Args:
+    model_config: a `model` dict.
+
+  Returns:
+    `total` (main model), `activated` (see the module docstring), `mtp`
+    (all MTP-layer parameters) and `mtp_activated`.
+  """
+  cfg = model_lib.resolve_config(model_config)
+  params = model_lib.abstract_params(model_config, seq_len=1)
+  E, k = cfg["num_experts"], cfg["num_experts_per_tok"]
+  out = dict(total=0, activated=0, mtp=0, mtp_activated=0)
+  for module, name, p in _traverse(params):
+    n = int(np.prod(p.shape))
+    active = n
+    if module == "embed":
+      active = 0
+    elif module.endswith("/moe") and name in ("gate_proj", "up_proj",
+                                              "down_proj"):
+      active = n // E * k
+    prefix = "mtp" if module.startswith("mtp_") else None
+    out[f"{prefix}" if prefix else "total"] += n
+    out[f"{prefix}_activated" if prefix else "activated"] += active
+  return out
+
+
+def _traverse(params):
+  for module, entries in params.items():
+    for name, p in entries.items():
+      yield module, name, p
+
+
+def _main() -> None:
+  print(f"{'model':<16} {'total':>9} {'activated':>10} {'MTP':>8}")
+  for size in SIZES:
+    c = count_params(model_config(size))
+    print(f"Ling-3.0-{size:<7} {c['total'] / 1e9:>8.2f}B "
+          f"{c['activated'] / 1e9:>9.2f}B {c['mtp'] / 1e9:>7.2f}B")
+
+
+if __name__ == "__main__":
+  jax.config.update("jax_platforms", "cpu")
+  _main()

@@ -1,0 +1,231 @@
+r"""Bailing / DeepSeek-V3 mixture of experts with aux-loss-free balancing.
+
+Shape glossary: B batch rows, T tokens, N = B*T tokens flat, D model width,
+E routed experts, k experts per token, F expert hidden width, G groups.
+
+  s = sigmoid(x W_router)                    [N,E] float32 router scores
+  sel = s + stop_gradient(bias)              bias only steers *selection*
+  (n_group > 1: keep the `topk_group` groups with the largest sum of their
+   top-2 `sel`, mask the other groups' experts out)
+  idx = top_k(sel, k)                        [N,k]
+  w = s[idx] / sum(s[idx]) * routed_scaling_factor     [N,k] from raw scores
+  y = sum_j w_j SwiGLU_{idx_j}(x) + SwiGLU_shared(x)
+
+Dispatch is capacity-free (no token is dropped): the N*k (token, expert)
+pairs are sorted by expert, the tokens gathered into that order, and every
+expert's SwiGLU runs as a ragged matmul (`jax.lax.ragged_dot` with per-expert
+group sizes) over its contiguous slice; the outputs are un-permuted and
+summed with their weights. Compute is that of N*k expert applications
+(`6*N*k*D*F` FLOPs for the routed experts, not `6*N*E*D*F`); memory is
+`N*k*(D + 3F)` activations for the gathered inputs and hidden states plus
+the `[N,E]` scores.
+
+The selection bias `e_score_correction_bias [E]` is a float32 parameter that
+gradients never reach (`stop_gradient`); the training step moves it with
+`update_bias` from the observed load: `bias += rate * sign(mean - load)`
+(DeepSeek-V3), raising under-loaded experts and lowering over-loaded ones.
+"""
+
+from typing import Optional
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from kda_lm.layers import mlp
+
+BIAS_NAME = "e_score_correction_bias"
+
+
+def check_dims(*, num_experts: int, num_experts_per_tok: int,
+               n_group: int = 1, topk_group: int = 1) -> None:
+  """Raises ValueError for an inconsistent router shape."""
+  if num_experts < 1 or not 1 <= num_experts_per_tok <= num_experts:
+    raise ValueError(f"need 1 <= num_experts_per_tok <= num_experts, got "
+                     f"{num_experts_per_tok}, {num_experts}.")
+  if n_group < 1 or num_experts % n_group:
+    raise ValueError(f"n_group {n_group} must divide num_experts "
+                     f"{num_experts}.")
+  if not 1 <= topk_group <= n_group:
+    raise ValueError(f"need 1 <= topk_group <= n_group, got {topk_group}, "
+                     f"{n_group}.")
+  if n_group > 1 and topk_group * (num_experts // n_group) < (
+      num_experts_per_tok):
+    raise ValueError("topk_group groups hold fewer experts than "
+                     "num_experts_per_tok.")
+
+
+def route(scores: jax.Array, bias: jax.Array, top_k: int, *,
+          n_group: int = 1, topk_group: int = 1,
+          routed_scaling_factor: float = 1.0
+          ) -> tuple[jax.Array, jax.Array]:
+  """Selects experts and their combine weights.
+
+  Args:
+    scores: [N,E] float32 sigmoid router scores.
+    bias: [E] selection bias (selection only; no gradient flows to it).
+    top_k: k.
+    n_group: expert groups for group-limited selection (1 = none).
+    topk_group: groups kept per token.
+    routed_scaling_factor: multiplies the renormalised weights.
+
+  Returns:
+    (idx [N,k] int32 expert ids, weights [N,k] float32 from the raw scores).
+  """
+  N, E = scores.shape
+  sel = scores + jax.lax.stop_gradient(bias).astype(scores.dtype)[None]
+  sel = jax.lax.stop_gradient(sel)
+  if n_group > 1:
+    grouped = sel.reshape(N, n_group, E // n_group)
+    top2 = jax.lax.top_k(grouped, min(2, E // n_group))[0].sum(-1)  # [N,G]
+    _, keep = jax.lax.top_k(top2, topk_group)
+    group_mask = jnp.zeros((N, n_group), bool).at[
+        jnp.arange(N)[:, None], keep].set(True)
+    expert_mask = jnp.repeat(group_mask, E // n_group, axis=1)
+    sel = jnp.where(expert_mask, sel, -jnp.inf)
+  _, idx = jax.lax.top_k(sel, top_k)
+  w = jnp.take_along_axis(scores, idx, axis=1)
+  w = w / (w.sum(-1, keepdims=True) + 1e-20) * routed_scaling_factor
+  return idx.astype(jnp.int32), w
+
+
+def expert_load(idx: jax.Array, num_experts: int,
+                valid: Optional[jax.Array] = None) -> jax.Array:
+  """Tokens routed to each expert: [E] float32 (padding tokens excluded)."""
+  onehot = jax.nn.one_hot(idx, num_experts, dtype=jnp.float32)  # [N,k,E]
+  if valid is not None:
+    onehot = onehot * valid.astype(jnp.float32)[:, None, None]
+  return onehot.sum((0, 1))
+
+
+def update_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
+  """`bias + rate * sign(mean(load) - load)` (DeepSeek-V3's update)."""
+  load = load.astype(jnp.float32)
+  return (bias.astype(jnp.float32)
+          + rate * jnp.sign(load.mean(-1, keepdims=True) - load)
+          ).astype(bias.dtype)
+
+
+def dispatch_swiglu(x_ND: jax.Array, idx: jax.Array, w: jax.Array,
+                    w_gate_EDF: jax.Array, w_up_EDF: jax.Array,
+                    w_down_EFD: jax.Array) -> jax.Array:
+  """`sum_j w[n,j] SwiGLU_{idx[n,j]}(x[n])` by sort + ragged matmul.
+
+  Args:
+    x_ND: [N,D] tokens.
+    idx: [N,k] expert ids.
+    w: [N,k] combine weights.
+    w_gate_EDF, w_up_EDF: [E,D,F] expert input weights.
+    w_down_EFD: [E,F,D] expert output weights.
+
+  Returns:
+    [N,D] in `x_ND`'s dtype.
+  """
+  N, k = idx.shape
+  E = w_gate_EDF.shape[0]
+  flat = idx.reshape(-1)                                     # [N*k]
+  order = jnp.argsort(flat, stable=True)
+  token = order // k
+  sizes = jnp.bincount(flat, length=E).astype(jnp.int32)    # [E]
+  xs = x_ND[token]                                           # [N*k,D]
+  dt = x_ND.dtype
+  h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate_EDF.astype(dt), sizes)) * (
+      jax.lax.ragged_dot(xs, w_up_EDF.astype(dt), sizes))
+  out = jax.lax.ragged_dot(h, w_down_EFD.astype(dt), sizes)  # [N*k,D]
+  inverse = jnp.zeros_like(order).at[order].set(
+      jnp.arange(order.shape[0], dtype=order.dtype))
+  out = out[inverse].reshape(N, k, -1)
+  return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32),
+                    w.astype(jnp.float32)).astype(dt)
+
+
+class MoE(hk.Module):
+  """Routed SwiGLU experts (sigmoid router, top-k) plus shared experts."""
+
+  def __init__(self, num_experts: int, num_experts_per_tok: int,
+               intermediate_size: int, *, num_shared_experts: int = 1,
+               routed_scaling_factor: float = 1.0, n_group: int = 1,
+               topk_group: int = 1, param_dtype=jnp.float32,
+               name: Optional[str] = None):
+    """Initialises the module.
+
+    Args:
+      num_experts: E routed experts.
+      num_experts_per_tok: k.
+      intermediate_size: F, each expert's hidden width.
+      num_shared_experts: shared experts, fused into one SwiGLU of width
+        `num_shared_experts * F` (0 = none).
+      routed_scaling_factor: multiplies the renormalised top-k weights.
+      n_group: expert groups (1 = plain top-k).
+      topk_group: groups each token may pick experts from.
+      param_dtype: dtype of the expert weights (router weight and bias are
+        float32).
+      name: module name.
+
+    Raises:
+      ValueError: inconsistent router sizes.
+    """
+    super().__init__(name=name)
+    check_dims(num_experts=num_experts,
+               num_experts_per_tok=num_experts_per_tok, n_group=n_group,
+               topk_group=topk_group)
+    self.num_experts = num_experts
+    self.top_k = num_experts_per_tok
+    self.hidden = intermediate_size
+    self.num_shared = num_shared_experts
+    self.scale = routed_scaling_factor
+    self.n_group = n_group
+    self.topk_group = topk_group
+    self.param_dtype = param_dtype
+
+  def __call__(self, x: jax.Array, valid: Optional[jax.Array] = None
+               ) -> tuple[jax.Array, jax.Array]:
+    """Applies the MoE.
+
+    Args:
+      x: [B,T,D] (or [N,D]).
+      valid: optional bool mask like `x[..., 0]` of the tokens that count
+        toward the load (False on padding).
+
+    Returns:
+      (y like x, load [E] float32 token counts per expert).
+    """
+    shape = x.shape
+    D, E, F = shape[-1], self.num_experts, self.hidden
+    x_ND = x.reshape(-1, D)
+    w_router = hk.get_parameter(
+        "router", [D, E], jnp.float32,
+        init=hk.initializers.TruncatedNormal(D ** -0.5))
+    bias = hk.get_parameter(BIAS_NAME, [E], jnp.float32, init=jnp.zeros)
+    scores = jax.nn.sigmoid(jnp.dot(x_ND.astype(jnp.float32), w_router))
+    idx, w = route(scores, bias, self.top_k, n_group=self.n_group,
+                   topk_group=self.topk_group,
+                   routed_scaling_factor=self.scale)
+    init_in = hk.initializers.TruncatedNormal(D ** -0.5)
+    init_out = hk.initializers.TruncatedNormal(F ** -0.5)
+    pdt = self.param_dtype
+    w_gate = hk.get_parameter("gate_proj", [E, D, F], pdt, init=init_in)
+    w_up = hk.get_parameter("up_proj", [E, D, F], pdt, init=init_in)
+    w_down = hk.get_parameter("down_proj", [E, F, D], pdt, init=init_out)
+    y = dispatch_swiglu(x_ND, idx, w, w_gate, w_up, w_down)
+    if self.num_shared:
+      y = y + mlp.SwiGLU(self.num_shared * F, param_dtype=pdt,
+                         name="shared_experts")(x_ND)
+    load = expert_load(idx, E, None if valid is None else valid.reshape(-1))
+    return y.reshape(shape), load
+
+
+def param_count(d_model: int, num_experts: int, intermediate_size: int,
+                num_shared_experts: int) -> int:
+  """Parameters of one MoE layer (router, bias, experts, shared experts)."""
+  D, E, F = d_model, num_experts, intermediate_size
+  return D * E + E + 3 * E * D * F + 3 * D * F * num_shared_experts
+
+
+def active_param_count(d_model: int, num_experts: int,
+                       num_experts_per_tok: int, intermediate_size: int,
+                       num_shared_experts: int) -> int:
+  """Parameters one token uses: all but the non-selected routed experts."""
+  D, F = d_model, intermediate_size
+  return (param_count(D, num_experts, F, num_shared_experts)
+          - 3 * (num_experts - num_experts_per_tok) * D * F)

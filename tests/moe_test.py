@@ -1,0 +1,249 @@
+"""Tests of kda_lm/layers/moe.py and the MoE decoder/training integration."""
+
+import functools
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import model_test
+import numpy as np
+import optax
+import pytest
+
+from kda_lm import model, training
+from kda_lm.layers import moe
+
+D, E, K, F = 8, 8, 3, 4
+N_GROUP, TOPK_GROUP, SCALE = 4, 2, 2.5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compile():
+  previous = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", previous)
+
+
+def _layer(**kwargs):
+  def fn(x, valid=None):
+    return moe.MoE(E, K, F, num_shared_experts=1, routed_scaling_factor=SCALE,
+                   n_group=N_GROUP, topk_group=TOPK_GROUP, name="moe",
+                   **kwargs)(x, valid)
+  return hk.without_apply_rng(hk.transform(fn))
+
+
+def _setup(seed=0):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=(2, 5, D)), jnp.float32)
+  layer = _layer()
+  params = layer.init(jax.random.key(seed), x)
+  # A non-zero selection bias, so that it matters for routing.
+  params["moe"][moe.BIAS_NAME] = jnp.asarray(rng.normal(size=E) * 0.3,
+                                             jnp.float32)
+  return layer, params, x
+
+
+def _naive_select(scores, bias):
+  """Explicit group-limited top-k for one token (numpy)."""
+  sel = scores + bias
+  per = E // N_GROUP
+  group_score = [np.sort(sel[g * per:(g + 1) * per])[-2:].sum()
+                 for g in range(N_GROUP)]
+  groups = np.argsort(group_score)[::-1][:TOPK_GROUP]
+  allowed = np.full(E, -np.inf)
+  for g in groups:
+    allowed[g * per:(g + 1) * per] = sel[g * per:(g + 1) * per]
+  return np.argsort(allowed)[::-1][:K]
+
+
+def _swiglu(x, wg, wu, wd):
+  return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+
+
+def _naive(params, x, chosen):
+  """Per-token loop with the experts in `chosen` ([N] lists of ids)."""
+  p = params["moe"]
+  sh = [params[f"moe/shared_experts/{n}"]["w"]
+        for n in ("gate_proj", "up_proj", "down_proj")]
+  x_ND = x.reshape(-1, D)
+  out = []
+  for n in range(x_ND.shape[0]):
+    s = jax.nn.sigmoid(x_ND[n] @ p["router"])
+    ids = chosen[n]
+    w = jnp.stack([s[e] for e in ids])
+    w = w / w.sum() * SCALE
+    y = _swiglu(x_ND[n], *sh)
+    for j, e in enumerate(ids):
+      y = y + w[j] * _swiglu(x_ND[n], p["gate_proj"][e], p["up_proj"][e],
+                             p["down_proj"][e])
+    out.append(y)
+  return jnp.stack(out).reshape(x.shape)
+
+
+def _chosen(params, x):
+  p = params["moe"]
+  scores = np.asarray(jax.nn.sigmoid(x.reshape(-1, D) @ p["router"]))
+  bias = np.asarray(p[moe.BIAS_NAME])
+  return [list(_naive_select(s, bias)) for s in scores]
+
+
+def test_forward_and_gradients_match_naive_reference():
+  layer, params, x = _setup()
+  chosen = _chosen(params, x)
+  y, load = layer.apply(params, x)
+  ref = _naive(params, x, chosen)
+  np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+  counts = np.bincount(np.concatenate(chosen), minlength=E)
+  np.testing.assert_array_equal(load, counts)
+
+  cot = jnp.asarray(np.random.default_rng(1).normal(size=x.shape),
+                    jnp.float32)
+  g = jax.grad(lambda p, x: (layer.apply(p, x)[0] * cot).sum(),
+               argnums=(0, 1))(params, x)
+  g_ref = jax.grad(lambda p, x: (_naive(p, x, chosen) * cot).sum(),
+                   argnums=(0, 1))(params, x)
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  assert np.all(np.asarray(g[0]["moe"][moe.BIAS_NAME]) == 0)
+  assert np.any(np.asarray(g[0]["moe"]["router"]) != 0)
+
+
+def test_valid_mask_excludes_padding_from_load():
+  layer, params, x = _setup()
+  valid = jnp.arange(10).reshape(2, 5) < 7
+  _, load = layer.apply(params, x, valid)
+  chosen = _chosen(params, x)[:7]
+  np.testing.assert_array_equal(
+      load, np.bincount(np.concatenate(chosen), minlength=E))
+
+
+def test_bias_changes_routing_not_combine_weights():
+  rng = np.random.default_rng(2)
+  scores = jax.nn.sigmoid(jnp.asarray(rng.normal(size=(64, E)), jnp.float32))
+  idx0, w0 = moe.route(scores, jnp.zeros(E), K, routed_scaling_factor=SCALE)
+  bias = jnp.zeros(E).at[0].set(10.0)   # expert 0 always selected
+  idx1, w1 = moe.route(scores, bias, K, routed_scaling_factor=SCALE)
+  assert np.all(np.any(np.asarray(idx1) == 0, axis=1))
+  assert np.any(np.asarray(idx0) != np.asarray(idx1))
+  for idx, w in ((idx0, w0), (idx1, w1)):
+    raw = jnp.take_along_axis(scores, idx, axis=1)
+    np.testing.assert_allclose(w, raw / raw.sum(-1, keepdims=True) * SCALE,
+                               rtol=1e-6)
+    np.testing.assert_allclose(w.sum(-1), SCALE, rtol=1e-6)
+
+
+def test_bias_update_moves_load_toward_uniform():
+  rng = np.random.default_rng(3)
+  logits = rng.normal(size=(512, E)) + np.linspace(3.0, -3.0, E)  # skewed
+  scores = jax.nn.sigmoid(jnp.asarray(logits, jnp.float32))
+  bias = jnp.zeros(E)
+
+  @jax.jit
+  def step(bias):
+    idx, _ = moe.route(scores, bias, 2)
+    load = moe.expert_load(idx, E)
+    return moe.update_bias(bias, load, 0.02), load
+
+  _, load0 = step(bias)
+  for _ in range(300):
+    bias, load = step(bias)
+  frac0 = np.asarray(load0) / np.sum(load0)
+  frac = np.asarray(load) / np.sum(load)
+  assert frac0.max() > 3 / E and frac0.min() < 0.2 / E
+  assert frac.max() < 1.5 / E and frac.min() > 0.5 / E, frac
+  # Over-loaded experts were pushed down, under-loaded ones up.
+  assert bias[0] < 0 < bias[-1]
+
+
+def test_dispatch_matches_dense_loop_unsorted_and_empty_experts():
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.normal(size=(6, D)), jnp.float32)
+  idx = jnp.asarray([[3, 1], [3, 0], [1, 3], [0, 1], [3, 0], [1, 0]])
+  w = jnp.asarray(rng.uniform(size=(6, 2)), jnp.float32)
+  wg, wu = (jnp.asarray(rng.normal(size=(E, D, F)), jnp.float32)
+            for _ in range(2))
+  wd = jnp.asarray(rng.normal(size=(E, F, D)), jnp.float32)
+  y = moe.dispatch_swiglu(x, idx, w, wg, wu, wd)
+  ref = jnp.stack([sum(w[n, j] * _swiglu(x[n], wg[e], wu[e], wd[e])
+                       for j, e in enumerate(np.asarray(idx[n])))
+                   for n in range(6)])
+  np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_router_dims():
+  with pytest.raises(ValueError, match="n_group"):
+    moe.check_dims(num_experts=8, num_experts_per_tok=2, n_group=3)
+  with pytest.raises(ValueError, match="num_experts_per_tok"):
+    moe.check_dims(num_experts=4, num_experts_per_tok=5)
+  with pytest.raises(ValueError, match="fewer experts"):
+    moe.check_dims(num_experts=8, num_experts_per_tok=4, n_group=4,
+                   topk_group=1)
+
+
+MOE_CONFIG = model_test.tiny_config(
+    num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+    moe_intermediate_size=16, first_k_dense_replace=1,
+    routed_scaling_factor=2.5, n_group=2, topk_group=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _model_setup():
+  m = model.build(MOE_CONFIG)
+  tokens, seg = model_test._packed_row(0)
+  params = jax.jit(m.init)(jax.random.key(0), tokens, seg)
+  # Random selection biases, so routing differs from bias-free routing.
+  for module in model.router_bias_modules(MOE_CONFIG):
+    params[module][moe.BIAS_NAME] = jax.random.normal(
+        jax.random.key(len(module)), (8,)) * 0.1
+  return m, params, jax.jit(m.apply, static_argnames="return_aux")
+
+
+def test_moe_model_packed_equals_unpacked_and_param_count():
+  m, params, apply = _model_setup()
+  tokens, seg = model_test._packed_row(1)
+  packed, aux = apply(params, tokens, seg, return_aux=True)
+  assert aux["expert_load"].shape == (3, 8)
+  np.testing.assert_array_equal(aux["expert_load"].sum(-1),
+                                2 * np.sum(seg != 0))
+  for i in range(len(model_test.LENS)):
+    alone = np.asarray(apply(params, model_test._doc(tokens, i)))
+    got = model_test._doc(np.asarray(packed), i)
+    err = np.abs(got - alone).max() / np.abs(alone).max()
+    assert err <= 1e-5, (i, err)
+  n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(
+      model.abstract_params(MOE_CONFIG)))
+  assert n == model.param_count(MOE_CONFIG)
+  assert model.router_bias_modules(MOE_CONFIG) == [
+      "layer_1/moe", "layer_2/moe", "layer_3/moe"]
+  assert "layer_0/mlp/gate_proj" in params and "layer_0/moe" not in params
+
+
+def test_update_step_moves_bias_not_by_optimizer_and_logs_load():
+  m, params, _ = _model_setup()
+  tokens, seg = model_test._packed_row(2)
+  tgt = np.roll(tokens, -1, axis=1)
+  batch = {"inputs": tokens, "targets": tgt, "segment_ids": seg,
+           "positions": None, "loss_mask": (seg != 0).astype(np.float32)}
+  batch["positions"] = np.asarray(
+      model.segments.positions_from_segment_ids(jnp.asarray(seg)))
+  tx = optax.adam(1e-2)
+  update = jax.jit(training.make_update_fn(m, tx, lambda s: 1e-2,
+                                           MOE_CONFIG))
+  state = training.TrainState(params, tx.init(params), jax.random.key(0),
+                              jnp.zeros((), jnp.int32))
+  new, metrics = update(state, batch)
+  for key in ("moe_load_max", "moe_load_min", "moe_load_imbalance"):
+    assert key in metrics
+  assert 0 <= metrics["moe_load_min"] <= 1 / 8 <= metrics["moe_load_max"]
+  _, aux = m.apply(params, tokens, seg, return_aux=True)
+  rate = model.resolve_config(MOE_CONFIG)["router_bias_update_rate"]
+  for row, module in enumerate(model.router_bias_modules(MOE_CONFIG)):
+    old = params[module][moe.BIAS_NAME]
+    load = aux["expert_load"][row]
+    np.testing.assert_allclose(
+        new.params[module][moe.BIAS_NAME],
+        old + rate * np.sign(np.mean(load) - load), rtol=0, atol=1e-7)
+  # The experts themselves did train.
+  assert np.any(new.params["layer_1/moe"]["gate_proj"]
+                != params["layer_1/moe"]["gate_proj"])

@@ -1,0 +1,144 @@
+"""Tests of kda_lm/layers/mtp.py and the MTP head of the decoder."""
+
+import functools
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import model_test
+import numpy as np
+import optax
+import pytest
+
+from kda_lm import model, training
+from kda_lm.layers import mtp
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compile():
+  previous = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", previous)
+
+
+# Documents A = 10 11 12 13 and B = 20 21 22 23 24 packed as
+# `data/packing.py` does (inputs t[:-1], targets t[1:]), then padding.
+ROW = dict(
+    inputs=np.array([[10, 11, 12, 20, 21, 22, 23, 0]], np.int32),
+    targets=np.array([[11, 12, 13, 21, 22, 23, 24, 0]], np.int32),
+    segment_ids=np.array([[1, 1, 1, 2, 2, 2, 2, 0]], np.int32),
+    loss_mask=np.array([[1, 1, 1, 1, 1, 1, 1, 0]], np.float32))
+
+
+def test_targets_never_cross_documents_exact():
+  for k, want_mask, want in (
+      (1, [1, 1, 0, 1, 1, 1, 0, 0], [12, 13, 0, 22, 23, 24, 0, 0]),
+      (2, [1, 0, 0, 1, 1, 0, 0, 0], [13, 0, 0, 23, 24, 0, 0, 0])):
+    targets, mask = mtp.targets_and_mask(
+        jnp.asarray(ROW["targets"]), jnp.asarray(ROW["loss_mask"]),
+        jnp.asarray(ROW["segment_ids"]), k)
+    np.testing.assert_array_equal(mask[0], want_mask)
+    np.testing.assert_array_equal(np.where(mask[0] > 0, targets[0], 0), want)
+  # A masked-out main target (e.g. delayed copy's first tokens) masks the
+  # MTP target that predicts the same token.
+  lm = ROW["loss_mask"].copy()
+  lm[0, 4] = 0
+  _, mask = mtp.targets_and_mask(jnp.asarray(ROW["targets"]),
+                                 jnp.asarray(lm),
+                                 jnp.asarray(ROW["segment_ids"]), 1)
+  np.testing.assert_array_equal(mask[0], [1, 1, 0, 0, 1, 1, 0, 0])
+  # Without segment ids only the row end stops the shift.
+  _, mask = mtp.targets_and_mask(jnp.asarray(ROW["targets"]),
+                                 jnp.ones((1, 8)), None, 2)
+  np.testing.assert_array_equal(mask[0], [1] * 6 + [0, 0])
+
+
+def test_mtp_loss_ignores_padding_and_boundaries():
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(1, 1, 8, 32)), jnp.float32)
+  batch = {k: jnp.asarray(v) for k, v in ROW.items()}
+  base = training.mtp_loss(logits, batch)
+  # Garbage at positions without an MTP target changes nothing.
+  noisy = logits.at[0, 0, jnp.array([2, 6, 7])].set(1e3)
+  np.testing.assert_allclose(training.mtp_loss(noisy, batch), base,
+                             rtol=1e-6)
+  want = optax.softmax_cross_entropy_with_integer_labels(
+      logits[0, 0, jnp.array([0, 1, 3, 4, 5])],
+      jnp.array([12, 13, 22, 23, 24])).mean()
+  np.testing.assert_allclose(base, want, rtol=1e-6)
+
+
+# MLA-only main stack (compiles fast); MoE after one dense layer.
+MTP_CONFIG = model_test.tiny_config(
+    attention_pattern="MM", num_mtp_layers=2, num_experts=4,
+    num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=16,
+    first_k_dense_replace=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _setup():
+  m = model.build(MTP_CONFIG)
+  tokens, seg = model_test._packed_row(0)
+  params = jax.jit(m.init)(jax.random.key(0), tokens, seg)
+  return m, params, jax.jit(m.apply, static_argnames="return_aux")
+
+
+def test_mtp_model_packed_equals_unpacked_and_shapes():
+  m, params, apply = _setup()
+  assert {"mtp_0/input/eh_proj", "mtp_1/block/moe", "mtp_1/final_norm"} <= (
+      set(params))
+  assert params["mtp_0/input/eh_proj"]["w"].shape == (64, 32)
+  n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+  assert n == model.param_count(MTP_CONFIG)
+  assert "lm_head_1" not in params   # the LM head is shared
+  tokens, seg = model_test._packed_row(1)
+  logits, aux = apply(params, tokens, seg, return_aux=True)
+  np.testing.assert_array_equal(logits, apply(params, tokens, seg))
+  assert aux["mtp_logits"].shape == (2, 1, model_test.T, model_test.VOCAB)
+  assert aux["expert_load"].shape == (1 + 2, 4)
+  for i in range(len(model_test.LENS)):
+    _, alone = apply(params, model_test._doc(tokens, i), return_aux=True)
+    for k in range(2):
+      # Positions with an MTP target in the document (the last k+1 have
+      # none; they see a zero embedding instead of the next document).
+      got = model_test._doc(np.asarray(aux["mtp_logits"][k]), i)
+      want = np.asarray(alone["mtp_logits"][k])
+      n_valid = model_test.LENS[i] - (k + 1)
+      if n_valid > 0:
+        err = (np.abs(got[:, :n_valid] - want[:, :n_valid]).max()
+               / np.abs(want).max())
+        assert err <= 1e-5, (i, k, err)
+
+
+def test_update_step_adds_scaled_mtp_loss_and_trains_mtp():
+  m, params, _ = _setup()
+  tokens, seg = model_test._packed_row(2)
+  batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1),
+           "segment_ids": seg, "loss_mask": (seg != 0).astype(np.float32),
+           "positions": np.asarray(model.segments.positions_from_segment_ids(
+               jnp.asarray(seg)))}
+  tx = optax.sgd(1.0)
+  update = jax.jit(training.make_update_fn(m, tx, lambda s: 1.0, MTP_CONFIG))
+  state = training.TrainState(params, tx.init(params), jax.random.key(0),
+                              jnp.zeros((), jnp.int32))
+  new, metrics = update(state, batch)
+  logits, aux = m.apply(params, tokens, seg, return_aux=True)
+  jb = {k: jnp.asarray(v) for k, v in batch.items()}
+  loss_sum, _, weight = training.loss_terms(logits, jb)
+  np.testing.assert_allclose(metrics["loss"], loss_sum / weight, rtol=1e-5)
+  np.testing.assert_allclose(metrics["mtp_loss"],
+                             training.mtp_loss(aux["mtp_logits"], jb),
+                             rtol=1e-5)
+  # With SGD(1) the update is -grad(main + 0.1 * MTP); the main loss does
+  # not reach the MTP weights.
+  def mtp_only(p):
+    return 0.1 * training.mtp_loss(
+        m.apply(p, tokens, seg, return_aux=True)[1]["mtp_logits"], jb)
+  g = jax.grad(mtp_only)(params)
+  delta = (new.params["mtp_1/input/eh_proj"]["w"]
+           - params["mtp_1/input/eh_proj"]["w"])
+  np.testing.assert_allclose(delta, -g["mtp_1/input/eh_proj"]["w"],
+                             rtol=1e-4, atol=1e-7)
+  assert hk.data_structures.tree_size(params) == hk.data_structures.tree_size(
+      new.params)
