@@ -11,8 +11,12 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+import kda_lm  # noqa: F401  (first: sets XLA:CPU flags before JAX starts)
+
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/ling3_tiny.py",
+    "config",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
+                 "ling3_tiny.py"),
     "Training config file; `path.py:variant` selects a variant.",
     lock_config=True)
 _WORKDIR = flags.DEFINE_string(
@@ -23,6 +27,7 @@ _WORKDIR = flags.DEFINE_string(
 def _default_workdir(config_arg: str) -> str:
   path, _, variant = config_arg.partition(":")
   name = os.path.splitext(os.path.basename(path))[0]
+  variant = variant.replace(",", "_")
   return os.path.join("runs", f"{name}_{variant}" if variant else name)
 
 
