@@ -12,6 +12,12 @@ Training (`python train.py --config=configs/ling3_tiny.py[:variant]`):
   :text      byte-level language model on the `text_files` dataset.
   :kda_only  attention_pattern "KKKK".
   :mla_only  attention_pattern "MMMM".
+  :moe       the full Ling 3.0 miniature: layer 0 keeps the dense SwiGLU,
+             layers 1-3 are MoE (8 SwiGLU experts of width 128, top-2,
+             sigmoid router with aux-loss-free selection bias, 1 shared
+             expert: active FFN width 3 x 128 = the dense 384), plus one
+             MTP layer (MLA + MoE) with loss weight 0.1. The default stays
+             dense: tests derive their models from `model_config()`.
 
 `get_config(arg)` takes the text after `:` in `--config=path.py:arg`;
 variants combine with commas, e.g. `:text,kda_only`.
@@ -61,6 +67,21 @@ def model_config() -> ml_collections.ConfigDict:
   m.compute_dtype = "float32"     # Activations ("bfloat16" on accelerators).
   m.kda_impl = "auto"             # chunk_kda impl: auto | reference | xla.
   m.kda_chunk_size = 64           # chunk_kda chunk length (tokens).
+  # Mixture of experts (Bailing / DeepSeek-V3, kda_lm/layers/moe.py).
+  m.num_experts = 0               # E routed experts; 0 = dense SwiGLU FFNs.
+  m.num_experts_per_tok = 2       # k experts per token (top-k).
+  m.num_shared_experts = 1        # Experts every token goes through.
+  m.moe_intermediate_size = 128   # Hidden width of each expert (channels).
+  m.first_k_dense_replace = 1     # Leading layers that keep the dense FFN.
+  m.routed_scaling_factor = 2.5   # Multiplies the renormalised weights.
+  m.n_group = 1                   # Expert groups (group-limited top-k).
+  m.topk_group = 1                # Groups a token may pick experts from.
+  # Selection-bias step per update (aux-loss-free balancing; 0 = frozen).
+  m.router_bias_update_rate = 0.01
+  # Multi-token prediction layers after the stack; 0 = none.
+  m.num_mtp_layers = 0
+  m.mtp_loss_scale = 0.1          # Weight of the MTP cross-entropy.
+  m.mtp_layer_kind = "M"          # Mixer of the MTP blocks: K or M.
   return m
 
 
@@ -154,7 +175,7 @@ def mesh_config() -> ml_collections.ConfigDict:
   return m
 
 
-VARIANTS = ("text", "kda_only", "mla_only")
+VARIANTS = ("text", "kda_only", "mla_only", "moe")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -201,4 +222,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.attention_pattern = "KKKK"
   if "mla_only" in variants:
     config.model.attention_pattern = "MMMM"
+  if "moe" in variants:
+    config.model.num_experts = 8
+    config.model.num_mtp_layers = 1
   return config
