@@ -91,12 +91,13 @@ def _naive(params, x, seg, pos, *, q_lora_rank, use_nope, output_gate,
   return out.reshape(B, T, H * E) @ p["o_proj"]["w"]
 
 
-@pytest.mark.parametrize("q_lora_rank,use_nope,output_gate", [
-    (0, False, True), (8, False, False), (0, True, False)])
-def test_equals_naive_attention(q_lora_rank, use_nope, output_gate):
+@pytest.mark.parametrize("q_lora_rank,use_nope,output_gate,q_block", [
+    (0, False, True, 512), (8, False, False, 512), (0, True, False, 512),
+    (0, False, True, 5)])
+def test_equals_naive_attention(q_lora_rank, use_nope, output_gate, q_block):
   x = np.random.default_rng(0).standard_normal((2, 12, D)).astype(np.float32)
   f = _transformed(q_lora_rank=q_lora_rank, use_nope=use_nope,
-                   output_gate=output_gate)
+                   output_gate=output_gate, q_block=q_block)
   params = f.init(jax.random.key(0), x, SEG)
   got = np.asarray(f.apply(params, x, SEG))
   ref = _naive(params, x, SEG, POS, q_lora_rank=q_lora_rank,
@@ -114,17 +115,35 @@ def test_no_attention_across_segments():
   x = rng.standard_normal((1, 12, D)).astype(np.float32)
   f = _transformed(output_gate=True)
   params = f.init(jax.random.key(1), x, SEG[:1])
-  packed = np.asarray(f.apply(params, x, SEG[:1]))
+  apply = jax.jit(f.apply)
+  packed = np.asarray(apply(params, x, SEG[:1]))
   for lo, hi in ((0, 4), (4, 9)):
-    alone = np.asarray(f.apply(params, x[:, lo:hi]))
+    alone = np.asarray(apply(params, x[:, lo:hi]))
     np.testing.assert_allclose(packed[:, lo:hi], alone, rtol=1e-5, atol=1e-6)
   # Changing document 1 (and the padding) leaves document 2 bit-identical.
   x2 = x.copy()
   x2[:, :4] = rng.standard_normal((1, 4, D))
   x2[:, 9:] = 1e3
-  changed = np.asarray(f.apply(params, x2, SEG[:1]))
+  changed = np.asarray(apply(params, x2, SEG[:1]))
   np.testing.assert_array_equal(changed[:, 4:9], packed[:, 4:9])
   assert np.all(changed[:, :4] != packed[:, :4])
+
+
+def test_query_blocks_match_dense_with_gradients():
+  # Blocks [0,5), [5,10), [10,12): a document boundary inside a block.
+  x = np.random.default_rng(3).standard_normal((2, 12, D)).astype(np.float32)
+  dense, blocked = _transformed(output_gate=True), _transformed(
+      output_gate=True, q_block=5)
+  params = dense.init(jax.random.key(2), x, SEG)
+  loss = lambda f: jax.jit(jax.grad(
+      lambda p, x: jax.numpy.sum(f.apply(p, x, SEG) ** 2), argnums=(0, 1)))
+  np.testing.assert_allclose(blocked.apply(params, x, SEG),
+                             dense.apply(params, x, SEG), rtol=1e-5,
+                             atol=1e-6)
+  g_dense, g_blocked = loss(dense)(params, x), loss(blocked)(params, x)
+  for a, b in zip(jax.tree.leaves(g_blocked), jax.tree.leaves(g_dense),
+                  strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_rope_is_relative():
@@ -161,5 +180,7 @@ def test_bad_dims_and_shapes():
   f = _transformed()
   with pytest.raises(ValueError, match="segment_ids"):
     f.init(jax.random.key(0), x, np.ones((1, 5), np.int32))
+  with pytest.raises(ValueError, match="q_block"):
+    _transformed(q_block=0).init(jax.random.key(0), x)
   with pytest.raises(ValueError, match="positions"):
     f.init(jax.random.key(0), x, None, np.ones((4,), np.int32))
