@@ -87,20 +87,27 @@ class TrainState(NamedTuple):
   step: jax.Array  # int32 scalar: updates done so far.
 
 
-# Libraries whose INFO logs `quiet_library_logs` drops (warnings stay).
+# Libraries whose INFO logs `quiet_library_logs` drops (warnings stay), and
+# TFDS, whose routine warnings on every load ("Using custom data
+# configuration", deprecations) are dropped too (errors stay).
 _CHATTY_LIBRARIES = ("/orbax/", "/tensorflow/", "/tensorflow_datasets/",
                      "/jax/")
+_CHATTY_WARNINGS = ("/tensorflow_datasets/",)
 
 
 class _LibraryInfoFilter(std_logging.Filter):
 
   def filter(self, record: std_logging.LogRecord) -> bool:
-    return record.levelno >= std_logging.WARNING or not any(
-        lib in record.pathname for lib in _CHATTY_LIBRARIES)
+    path = record.pathname
+    if record.levelno >= std_logging.ERROR:
+      return True
+    if record.levelno >= std_logging.WARNING:
+      return not any(lib in path for lib in _CHATTY_WARNINGS)
+    return not any(lib in path for lib in _CHATTY_LIBRARIES)
 
 
 def quiet_library_logs() -> None:
-  """Drops the INFO logs of Orbax, TFDS and JAX (absl logs them all)."""
+  """Drops INFO logs of Orbax, TF, TFDS and JAX, and TFDS warnings."""
   logger = logging.get_absl_logger()
   if not any(isinstance(f, _LibraryInfoFilter) for f in logger.filters):
     logger.addFilter(_LibraryInfoFilter())
