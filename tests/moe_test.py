@@ -7,10 +7,9 @@ import jax
 import jax.numpy as jnp
 import model_test
 import numpy as np
-import optax
 import pytest
 
-from kda_lm import model, training
+from kda_lm import model
 from kda_lm.layers import moe
 
 D, E, K, F = 8, 8, 3, 4
@@ -35,7 +34,7 @@ def _layer(**kwargs):
 
 def _setup(seed=0):
   rng = np.random.default_rng(seed)
-  x = jnp.asarray(rng.normal(size=(2, 5, D)), jnp.float32)
+  x = jnp.asarray(rng.normal(size=(2, 4, D)), jnp.float32)
   layer = _layer()
   params = layer.init(jax.random.key(seed), x)
   # A non-zero selection bias, so that it matters for routing.
@@ -99,10 +98,10 @@ def test_forward_and_gradients_match_naive_reference():
 
   cot = jnp.asarray(np.random.default_rng(1).normal(size=x.shape),
                     jnp.float32)
-  g = jax.grad(lambda p, x: (layer.apply(p, x)[0] * cot).sum(),
-               argnums=(0, 1))(params, x)
-  g_ref = jax.grad(lambda p, x: (_naive(p, x, chosen) * cot).sum(),
-                   argnums=(0, 1))(params, x)
+  g = jax.jit(jax.grad(lambda p, x: (layer.apply(p, x)[0] * cot).sum(),
+                       argnums=(0, 1)))(params, x)
+  g_ref = jax.jit(jax.grad(lambda p, x: (_naive(p, x, chosen) * cot).sum(),
+                           argnums=(0, 1)))(params, x)
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
   assert np.all(np.asarray(g[0]["moe"][moe.BIAS_NAME]) == 0)
@@ -111,9 +110,9 @@ def test_forward_and_gradients_match_naive_reference():
 
 def test_valid_mask_excludes_padding_from_load():
   layer, params, x = _setup()
-  valid = jnp.arange(10).reshape(2, 5) < 7
+  valid = jnp.arange(8).reshape(2, 4) < 6
   _, load = layer.apply(params, x, valid)
-  chosen = _chosen(params, x)[:7]
+  chosen = _chosen(params, x)[:6]
   np.testing.assert_array_equal(
       load, np.bincount(np.concatenate(chosen), minlength=E))
 
@@ -181,9 +180,10 @@ def test_bad_router_dims():
                    topk_group=1)
 
 
+# One KDA layer with a dense FFN, then one MLA layer with the MoE.
 MOE_CONFIG = model_test.tiny_config(
-    num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
-    moe_intermediate_size=16, first_k_dense_replace=1,
+    attention_pattern="KM", num_experts=8, num_experts_per_tok=2,
+    num_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1,
     routed_scaling_factor=2.5, n_group=2, topk_group=2)
 
 
@@ -199,51 +199,31 @@ def _model_setup():
   return m, params, jax.jit(m.apply, static_argnames="return_aux")
 
 
+def _alone_rows(tokens, seg):
+  """Row 0 packed, row 1 + i: document i alone at a row start, padded."""
+  rows, segs = [tokens[0]], [seg[0]]
+  for i, n in enumerate(model_test.LENS):
+    rows.append(np.pad(model_test._doc(tokens, i)[0], (0, model_test.T - n)))
+    segs.append(np.pad(np.ones(n, np.int32), (0, model_test.T - n)))
+  return np.stack(rows), np.stack(segs)
+
+
 def test_moe_model_packed_equals_unpacked_and_param_count():
   m, params, apply = _model_setup()
-  tokens, seg = model_test._packed_row(1)
-  packed, aux = apply(params, tokens, seg, return_aux=True)
-  assert aux["expert_load"].shape == (3, 8)
+  tokens, seg = _alone_rows(*model_test._packed_row(1))
+  # One call (one compilation): routing is per token, so rows don't mix.
+  out, aux = apply(params, tokens, seg, return_aux=True)
+  out = np.asarray(out)
+  assert aux["expert_load"].shape == (1, 8)
   np.testing.assert_array_equal(aux["expert_load"].sum(-1),
                                 2 * np.sum(seg != 0))
-  for i in range(len(model_test.LENS)):
-    alone = np.asarray(apply(params, model_test._doc(tokens, i)))
-    got = model_test._doc(np.asarray(packed), i)
+  for i, n in enumerate(model_test.LENS):
+    alone = out[1 + i, :n]
+    got = model_test._doc(out[:1], i)[0]
     err = np.abs(got - alone).max() / np.abs(alone).max()
     assert err <= 1e-5, (i, err)
   n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(
       model.abstract_params(MOE_CONFIG)))
   assert n == model.param_count(MOE_CONFIG)
-  assert model.router_bias_modules(MOE_CONFIG) == [
-      "layer_1/moe", "layer_2/moe", "layer_3/moe"]
+  assert model.router_bias_modules(MOE_CONFIG) == ["layer_1/moe"]
   assert "layer_0/mlp/gate_proj" in params and "layer_0/moe" not in params
-
-
-def test_update_step_moves_bias_not_by_optimizer_and_logs_load():
-  m, params, _ = _model_setup()
-  tokens, seg = model_test._packed_row(2)
-  tgt = np.roll(tokens, -1, axis=1)
-  batch = {"inputs": tokens, "targets": tgt, "segment_ids": seg,
-           "positions": None, "loss_mask": (seg != 0).astype(np.float32)}
-  batch["positions"] = np.asarray(
-      model.segments.positions_from_segment_ids(jnp.asarray(seg)))
-  tx = optax.adam(1e-2)
-  update = jax.jit(training.make_update_fn(m, tx, lambda s: 1e-2,
-                                           MOE_CONFIG))
-  state = training.TrainState(params, tx.init(params), jax.random.key(0),
-                              jnp.zeros((), jnp.int32))
-  new, metrics = update(state, batch)
-  for key in ("moe_load_max", "moe_load_min", "moe_load_imbalance"):
-    assert key in metrics
-  assert 0 <= metrics["moe_load_min"] <= 1 / 8 <= metrics["moe_load_max"]
-  _, aux = m.apply(params, tokens, seg, return_aux=True)
-  rate = model.resolve_config(MOE_CONFIG)["router_bias_update_rate"]
-  for row, module in enumerate(model.router_bias_modules(MOE_CONFIG)):
-    old = params[module][moe.BIAS_NAME]
-    load = aux["expert_load"][row]
-    np.testing.assert_allclose(
-        new.params[module][moe.BIAS_NAME],
-        old + rate * np.sign(np.mean(load) - load), rtol=0, atol=1e-7)
-  # The experts themselves did train.
-  assert np.any(new.params["layer_1/moe"]["gate_proj"]
-                != params["layer_1/moe"]["gate_proj"])

@@ -6,12 +6,13 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 import model_test
+import moe_test
 import numpy as np
 import optax
 import pytest
 
 from kda_lm import model, training
-from kda_lm.layers import mtp
+from kda_lm.layers import moe, mtp
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -92,27 +93,30 @@ def test_mtp_model_packed_equals_unpacked_and_shapes():
   n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
   assert n == model.param_count(MTP_CONFIG)
   assert "lm_head_1" not in params   # the LM head is shared
-  tokens, seg = model_test._packed_row(1)
+  tokens, seg = moe_test._alone_rows(*model_test._packed_row(1))
   logits, aux = apply(params, tokens, seg, return_aux=True)
-  np.testing.assert_array_equal(logits, apply(params, tokens, seg))
-  assert aux["mtp_logits"].shape == (2, 1, model_test.T, model_test.VOCAB)
+  assert aux["mtp_logits"].shape == (2, 4, model_test.T, model_test.VOCAB)
   assert aux["expert_load"].shape == (1 + 2, 4)
-  for i in range(len(model_test.LENS)):
-    _, alone = apply(params, model_test._doc(tokens, i), return_aux=True)
+  mtp_logits = np.asarray(aux["mtp_logits"])
+  for i, n in enumerate(model_test.LENS):
     for k in range(2):
       # Positions with an MTP target in the document (the last k+1 have
       # none; they see a zero embedding instead of the next document).
-      got = model_test._doc(np.asarray(aux["mtp_logits"][k]), i)
-      want = np.asarray(alone["mtp_logits"][k])
-      n_valid = model_test.LENS[i] - (k + 1)
+      got = model_test._doc(mtp_logits[k, :1], i)[0]
+      want = mtp_logits[k, 1 + i, :n]
+      n_valid = n - (k + 1)
       if n_valid > 0:
-        err = (np.abs(got[:, :n_valid] - want[:, :n_valid]).max()
+        err = (np.abs(got[:n_valid] - want[:n_valid]).max()
                / np.abs(want).max())
         assert err <= 1e-5, (i, k, err)
+  # return_aux leaves the logits unchanged.
+  np.testing.assert_array_equal(logits[:1],
+                                apply(params, tokens[:1], seg[:1]))
 
 
-def test_update_step_adds_scaled_mtp_loss_and_trains_mtp():
-  m, params, _ = _setup()
+def test_update_step_mtp_loss_and_router_bias():
+  """One update: loss + 0.1 * MTP, biases moved from the load, not by SGD."""
+  m, params, apply = _setup()
   tokens, seg = model_test._packed_row(2)
   batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1),
            "segment_ids": seg, "loss_mask": (seg != 0).astype(np.float32),
@@ -123,7 +127,7 @@ def test_update_step_adds_scaled_mtp_loss_and_trains_mtp():
   state = training.TrainState(params, tx.init(params), jax.random.key(0),
                               jnp.zeros((), jnp.int32))
   new, metrics = update(state, batch)
-  logits, aux = m.apply(params, tokens, seg, return_aux=True)
+  logits, aux = apply(params, tokens, seg, return_aux=True)
   jb = {k: jnp.asarray(v) for k, v in batch.items()}
   loss_sum, _, weight = training.loss_terms(logits, jb)
   np.testing.assert_allclose(metrics["loss"], loss_sum / weight, rtol=1e-5)
@@ -135,10 +139,26 @@ def test_update_step_adds_scaled_mtp_loss_and_trains_mtp():
   def mtp_only(p):
     return 0.1 * training.mtp_loss(
         m.apply(p, tokens, seg, return_aux=True)[1]["mtp_logits"], jb)
-  g = jax.grad(mtp_only)(params)
+  g = jax.jit(jax.grad(mtp_only))(params)
   delta = (new.params["mtp_1/input/eh_proj"]["w"]
            - params["mtp_1/input/eh_proj"]["w"])
   np.testing.assert_allclose(delta, -g["mtp_1/input/eh_proj"]["w"],
                              rtol=1e-4, atol=1e-7)
   assert hk.data_structures.tree_size(params) == hk.data_structures.tree_size(
       new.params)
+  # MoE: load metrics, and each selection bias moved by rate * sign(mean -
+  # load) from the step's own load (SGD would not move it: no gradient).
+  for key in ("moe_load_max", "moe_load_min", "moe_load_imbalance"):
+    assert key in metrics
+  assert 0 <= metrics["moe_load_min"] <= 1 / 4 <= metrics["moe_load_max"]
+  rate = model.resolve_config(MTP_CONFIG)["router_bias_update_rate"]
+  modules = model.router_bias_modules(MTP_CONFIG)
+  assert modules == ["layer_1/moe", "mtp_0/block/moe", "mtp_1/block/moe"]
+  for row, module in enumerate(modules):
+    old = params[module][moe.BIAS_NAME]
+    load = aux["expert_load"][row]
+    np.testing.assert_allclose(
+        new.params[module][moe.BIAS_NAME],
+        old + rate * np.sign(np.mean(load) - load), rtol=0, atol=1e-7)
+  assert np.any(new.params["layer_1/moe"]["gate_proj"]
+                != params["layer_1/moe"]["gate_proj"])
