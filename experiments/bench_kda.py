@@ -1,0 +1,366 @@
+r"""Benchmarks the KDA op: an implementation vs the reference scan, same run.
+
+For every gate mode, dtype, batch B and length T (H=4, K=V=128 by default) it
+compiles forward and forward+backward of `kda_lm.ops.chunk_kda` for `--impl`
+and for `"reference"`, reads the compiled memory (`memory_analysis()`), runs
+each one a warm-up then `--repeats` times and reports the median time. Then it
+prints markdown tables:
+
+* time of the impl and of the reference, their ratio, tokens/s of the impl,
+  memory ("work MiB" = XLA temp buffers, plus arguments+outputs), and the
+  impl's achieved GFLOP/s next to this machine's large-matmul GFLOP/s
+  (a 2048x2048 float32 matmul, measured in the same run);
+* T-scaling: cost at the longest T / cost at the previous T;
+* segment_ids overhead: forward+backward of the impl with `--docs` documents
+  per row vs without (first dtype only: every dtype is upcast to float32 on
+  entry, so the segment cost does not depend on it).
+
+Gate modes (`--gate`): "safe" is the realistic bounded form used in training
+(raw gates, use_gate_in_kernel with lower_bound=-5 and safe_gate=True);
+"exact" passes pre-activated log-sigmoid gates (unbounded, the general path).
+Both use the in-kernel q/k L2 norm. The default is "safe" only, to keep the
+default run near 10 minutes on 2 cores; `--gate=both` doubles it.
+
+A measurement that does not finish within `--hang_s` (e.g. a deadlocked XLA
+CPU thread pool) stops the run: the table so far is printed with a HUNG line
+and the process exits with status 2.
+
+The reference's backward stores one [B,H,K,V] state per token (> 24 GiB at
+T=16384); any program whose compiled memory exceeds `--max_gib` is skipped
+and says so.
+
+Usage:
+
+  python -m experiments.bench_kda                # the default table
+  python -m experiments.bench_kda --quick        # T in {1024, 4096}, B=1
+  python -m experiments.bench_kda --gate=safe --dtypes=float32 \
+      --seq_lens=4096,16384 --batches=4
+"""
+
+import dataclasses
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kda_lm.ops import chunk_kda
+
+_IMPL = flags.DEFINE_string("impl", "xla", "Implementation to compare with "
+                            "the reference (xla; later pallas).")
+_QUICK = flags.DEFINE_bool("quick", False, "Fast check: T in {1024, 4096}, "
+                           "B=1 (unless --seq_lens / --batches are given).")
+_SEQ_LENS = flags.DEFINE_list("seq_lens", ["1024", "4096", "16384"],
+                              "Sequence lengths T.")
+_BATCHES = flags.DEFINE_list("batches", ["1", "4"], "Batch sizes B (1..4).")
+_DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"],
+                            "Input dtypes of q, k, v, g, beta.")
+_GATE = flags.DEFINE_enum("gate", "safe", ["safe", "exact", "both"],
+                          "Gate mode(s), see the module docstring; both "
+                          "doubles the run time.")
+_HEADS = flags.DEFINE_integer("heads", 4, "Heads H.")
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "K = V.")
+_DOCS = flags.DEFINE_integer("docs", 10, "Documents per row for the "
+                             "segment_ids rows (0 to skip them).")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs after a warm-up; "
+                                "the median is reported.")
+_MAX_GIB = flags.DEFINE_float("max_gib", 12.0, "Skip a program whose "
+                              "compiled memory (work+args+out) exceeds this.")
+_HANG_S = flags.DEFINE_float("hang_s", 900.0, "Give up (print what was "
+                             "measured, exit 2) if one measurement takes "
+                             "longer than this.")
+
+CHUNK = 64
+MIB = 2.0 ** 20
+
+
+def flops_per_token_head(K, V, C=CHUNK, backward=False):
+  """Matmul FLOPs of chunked KDA per token and head (multiply-add = 2).
+
+  Per chunk of C rows: Aqk = (q)(k)^T and Akk = (k)(k)^T with decays, 2 x
+  2C^2K; the triangular inverse (I + M)^-1, C^3/3; w = P (beta k e^G), 2C^2K;
+  u = P (beta v), 2C^2V; v_new = u - w S, 2CKV; o = (q e^G) S + Aqk v_new,
+  2CKV + 2C^2V; S' = e^G_C S + (k e^(G_C - G))^T v_new, 2CKV. Divided by C:
+
+    F = 6CK + 4CV + 6KV + C^2/3        (~1.82e5 for C=64, K=V=128)
+
+  Forward+backward counts 3F (the backward's matmuls are ~2x the forward's;
+  the recomputation of checkpointed chunks is not counted). Elementwise work
+  (exp, masks) is not counted either.
+  """
+  f = 6 * C * K + 4 * C * V + 6 * K * V + C * C / 3
+  return 3 * f if backward else f
+
+
+def matmul_gflops(n=2048, repeats=3):
+  """This machine's large-matmul rate: an n x n float32 matmul."""
+  a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)),
+                  jnp.float32)
+  f = jax.jit(lambda x: x @ x)
+  jax.block_until_ready(f(a))
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(f(a))
+    times.append(time.perf_counter() - t)
+  return 2 * n ** 3 / statistics.median(times) / 1e9
+
+
+@dataclasses.dataclass
+class Result:
+  seconds: float | None = None   # median; None when skipped
+  work_mib: float = 0.0          # temp_size_in_bytes
+  io_mib: float = 0.0            # argument + output sizes
+  note: str = ""
+
+
+def make_inputs(rng, B, T, H, D, dtype, gate, docs):
+  """(differentiable params, fixed args, static kwargs) for one config."""
+  randn = lambda *s: rng.standard_normal(s, np.float32)
+  cast = lambda x: jnp.asarray(x, dtype)
+  params = dict(q=cast(randn(B, T, H, D)), k=cast(randn(B, T, H, D)),
+                v=cast(randn(B, T, H, D)),
+                beta=cast(1 / (1 + np.exp(-randn(B, T, H)))))
+  static = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
+  x = randn(B, T, H, D)
+  if gate == "safe":
+    params["g"] = cast(x)
+    params["A_log"] = jnp.asarray(rng.uniform(-1, 1, H), jnp.float32)
+    params["dt_bias"] = jnp.asarray(randn(H * D))
+    static.update(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True)
+  else:
+    params["g"] = cast(-np.logaddexp(0, -x))              # log-sigmoid
+  fixed = dict(do=jnp.asarray(randn(B, T, H, D)),
+               dht=jnp.asarray(randn(B, H, D, D)), segment_ids=None)
+  ids = np.zeros((B, T), np.int32)
+  for b in range(B):                    # `docs` documents of random lengths
+    cuts = np.sort(rng.choice(np.arange(1, T), docs - 1, replace=False))
+    ids[b] = np.searchsorted(cuts, np.arange(T), side="right") + 1
+  return params, fixed, static, jnp.asarray(ids)
+
+
+def build(impl, backward, static):
+  """jit of the forward, or of the gradient of sum(o*do) + sum(S*dht)."""
+  def forward(params, fixed):
+    return chunk_kda(**params, segment_ids=fixed["segment_ids"], impl=impl,
+                     **static)
+
+  if not backward:
+    return jax.jit(forward)
+
+  def loss(params, fixed):
+    o, s = forward(params, fixed)
+    return (jnp.sum(o.astype(jnp.float32) * fixed["do"])
+            + jnp.sum(s * fixed["dht"]))
+
+  return jax.jit(jax.grad(loss))
+
+
+def measure(fn, params, fixed, repeats, max_gib):
+  """Compiles, reads the memory, then warm-up + `repeats` timed runs."""
+  compiled = fn.lower(params, fixed).compile()
+  mem = compiled.memory_analysis()
+  res = Result(work_mib=mem.temp_size_in_bytes / MIB,
+               io_mib=(mem.argument_size_in_bytes
+                       + mem.output_size_in_bytes) / MIB)
+  total_gib = (res.work_mib + res.io_mib) / 1024
+  if total_gib > max_gib:
+    res.note = f"ref skipped: needs {total_gib:.1f} GiB > {max_gib:g} GiB"
+    return res
+  jax.block_until_ready(compiled(params, fixed))            # warm-up
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(compiled(params, fixed))
+    times.append(time.perf_counter() - t)
+  res.seconds = statistics.median(times)
+  return res
+
+
+def with_watchdog(seconds, fn, *args):
+  """Runs fn(*args) in a thread; None if it is still running after
+  `seconds` (an XLA computation cannot be cancelled, so the caller must
+  report and exit)."""
+  box = []
+  thread = threading.Thread(target=lambda: box.append(fn(*args)),
+                            daemon=True)
+  thread.start()
+  thread.join(seconds)
+  if thread.is_alive():
+    return None
+  if not box:
+    raise RuntimeError("measurement failed (see the traceback above)")
+  return box[0]
+
+
+def _ms(r):
+  return "–" if r is None or r.seconds is None else f"{r.seconds * 1e3:.1f}"
+
+
+def _ratio(num, den, fmt="{:.1f}x"):
+  if not num or not den:
+    return "–"
+  return fmt.format(num / den)
+
+
+def _table(head, rows):
+  lines = ["| " + " | ".join(head) + " |",
+           "|" + "|".join("---" for _ in head) + "|"]
+  lines += ["| " + " | ".join(r) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+class Bench:
+  """Runs the configurations and renders the markdown report."""
+
+  def __init__(self, impl, H, D, repeats, max_gib, docs, hang_s):
+    self.impl, self.H, self.D = impl, H, D
+    self.repeats, self.max_gib, self.docs = repeats, max_gib, docs
+    self.hang_s = hang_s
+    self.results = {}     # (gate, dtype, pass, B, T) -> {name: Result}
+    self.order = []
+    self.start = time.perf_counter()
+    self.peak = matmul_gflops()
+    self._log(f"2048^2 float32 matmul: {self.peak:.1f} GFLOP/s")
+
+  def _log(self, msg):
+    print(f"[{time.perf_counter() - self.start:6.0f}s] {msg}",
+          file=sys.stderr, flush=True)
+
+  def run(self, gate, dtype, B, T, with_segments):
+    rng = np.random.default_rng(T * 10 + B)
+    params, fixed, static, ids = make_inputs(rng, B, T, self.H, self.D,
+                                             dtype, gate, self.docs)
+    for backward in (False, True):
+      pass_name = "fwd+bwd" if backward else "fwd"
+      key = (gate, dtype.name, pass_name, B, T)
+      self.results[key] = r = {}
+      self.order.append(key)
+      runs = [("impl", self.impl, None), ("ref", "reference", None)]
+      if with_segments and backward:
+        runs.append(("seg", self.impl, ids))
+      for name, who, seg in runs:
+        fx = dict(fixed, segment_ids=seg) if backward else dict(
+            segment_ids=seg)                 # the forward takes no cotangents
+        self._log(f"{gate} {dtype.name} {pass_name} B={B} T={T} {name}")
+        res = with_watchdog(self.hang_s, measure,
+                            build(who, backward, static), params, fx,
+                            self.repeats, self.max_gib)
+        if res is None:
+          self.render(hung=f"{who} {gate} {dtype.name} {pass_name} B={B} "
+                      f"T={T}{' segment_ids' if seg is not None else ''}")
+          sys.stdout.flush()
+          os._exit(2)                        # the hung XLA thread stays
+        r[name] = res
+
+  def render(self, hung=None):
+    impl, H, D = self.impl, self.H, self.D
+    out = [f"## KDA op benchmark: `{impl}` vs `reference`\n",
+           f"{os.cpu_count()} CPUs ({platform.machine()}), jax "
+           f"{jax.__version__} ({jax.default_backend()}); H={H}, K=V={D}, "
+           f"chunk {CHUNK}, in-kernel q/k L2 norm; median of {self.repeats} "
+           f"runs after a warm-up. This machine's large-matmul rate "
+           f"(2048x2048 float32 matmul, same run): **{self.peak:.1f} "
+           "GFLOP/s**.\n"]
+    head = ["gate", "dtype", "pass", "B", "T", f"{impl} ms", "ref ms",
+            f"ref/{impl}", f"{impl} tok/s", f"{impl} work MiB",
+            f"{impl} args+out MiB", "ref work MiB", "work ref/impl",
+            f"{impl} GFLOP/s", "of matmul", "note"]
+    rows, seg_rows = [], []
+    for key in self.order:
+      gate, dtype, pass_name, B, T = key
+      r = self.results[key]
+      imp, ref = r.get("impl"), r.get("ref")
+      if imp is None or ref is None:
+        continue
+      flops = B * T * H * flops_per_token_head(
+          D, D, backward=pass_name == "fwd+bwd")
+      gf = flops / imp.seconds / 1e9 if imp.seconds else None
+      rows.append([
+          gate, dtype, pass_name, str(B), str(T), _ms(imp), _ms(ref),
+          _ratio(ref.seconds, imp.seconds),
+          f"{B * T / imp.seconds / 1e3:.0f}k" if imp.seconds else "–",
+          f"{imp.work_mib:.0f}", f"{imp.io_mib:.0f}", f"{ref.work_mib:.0f}",
+          _ratio(ref.work_mib, imp.work_mib),
+          "–" if gf is None else f"{gf:.1f}",
+          "–" if gf is None else f"{100 * gf / self.peak:.0f}%",
+          ref.note])
+      if "seg" in r:
+        seg = r["seg"]
+        seg_rows.append([gate, dtype, pass_name, str(B), str(T), _ms(imp),
+                         _ms(seg), _ratio(seg.seconds, imp.seconds, "{:.2f}"),
+                         f"{imp.work_mib:.0f}", f"{seg.work_mib:.0f}"])
+    out.append(_table(head, rows))
+    out.append("")
+
+    seq_lens = sorted({k[4] for k in self.order})
+    if len(seq_lens) > 1:
+      t_hi, t_lo = seq_lens[-1], seq_lens[-2]
+      scale = []
+      for key in self.order:
+        gate, dtype, pass_name, B, T = key
+        lo = self.results.get((gate, dtype, pass_name, B, t_lo), {})
+        if T != t_hi or "impl" not in self.results[key] or "impl" not in lo:
+          continue
+        hi = self.results[key]
+        scale.append([gate, dtype, pass_name, str(B)] + [
+            _ratio(hi[n].seconds, lo[n].seconds, "{:.2f}")
+            for n in ("impl", "ref")])
+      out.append(f"T-scaling: time at T={t_hi} / time at T={t_lo} (linear "
+                 f"= {t_hi / t_lo:g}).\n")
+      out.append(_table(["gate", "dtype", "pass", "B", impl, "reference"],
+                        scale))
+      out.append("")
+    if seg_rows:
+      out.append(f"segment_ids: `{impl}` with {self.docs} documents per row "
+                 "(random lengths) vs segment_ids=None.\n")
+      out.append(_table(["gate", "dtype", "pass", "B", "T", "no segs ms",
+                         f"{self.docs} docs ms", "ratio", "work MiB",
+                         "work MiB (segs)"], seg_rows))
+      out.append("")
+    f = flops_per_token_head(D, D)
+    out.append(
+        f"FLOPs: chunked KDA, per token and head, F = 6CK + 4CV + 6KV + "
+        f"C^2/3 = {f:.3g} (C={CHUNK}, K=V={D}) for the forward and 3F for "
+        "forward+backward (checkpoint recomputation not counted); "
+        "GFLOP/s = B*T*H*F / time. work MiB = XLA temp buffers "
+        "(`compile().memory_analysis().temp_size_in_bytes`); args+out = "
+        "argument + output buffers. Programs over "
+        f"{self.max_gib:g} GiB are skipped: the reference's backward keeps "
+        "a [B,H,K,V] float32 state per token. Total time "
+        f"{time.perf_counter() - self.start:.0f} s.")
+    if hung:
+      out.append(f"\n**HUNG:** {hung} did not finish within {self.hang_s:g} "
+                 "s; the table stops there.")
+    print("\n".join(out))
+
+
+def main(argv):
+  del argv
+  seq_lens = [int(t) for t in _SEQ_LENS.value]
+  batches = [int(b) for b in _BATCHES.value]
+  if _QUICK.value:
+    if not flags.FLAGS["seq_lens"].present:
+      seq_lens = [1024, 4096]
+    if not flags.FLAGS["batches"].present:
+      batches = [1]
+  gates = ["safe", "exact"] if _GATE.value == "both" else [_GATE.value]
+  dtypes = [jnp.dtype(d) for d in _DTYPES.value]
+  bench = Bench(_IMPL.value, _HEADS.value, _HEAD_DIM.value, _REPEATS.value,
+                _MAX_GIB.value, _DOCS.value, _HANG_S.value)
+  for gate in gates:
+    for i, dtype in enumerate(dtypes):
+      for B in batches:
+        for T in seq_lens:
+          bench.run(gate, dtype, B, T, with_segments=_DOCS.value > 0 and i == 0)
+  bench.render()
+
+
+if __name__ == "__main__":
+  app.run(main)
