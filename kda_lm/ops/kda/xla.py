@@ -129,22 +129,36 @@ def _decayed_products(xs, k, L, tot, same_b, reach_end, *, safe):
   return tuple(outs)
 
 
+def _block_inverse(m):
+  """Inverse of I + m for strictly lower-triangular m [L...,c,c], small c.
+
+  Row-by-row forward substitution, `p_r = e_r - m[r, :r] p[:r]`, as c small
+  batched matmuls. (jaxlib's CPU triangular-solve kernel deadlocks its
+  2-thread pool on large batches, so it is not used.)
+  """
+  *lead, c, _ = m.shape
+  eye = jnp.eye(c, dtype=m.dtype)
+  rows = [jnp.broadcast_to(eye[0], (*lead, c))]
+  for r in range(1, c):
+    prev = jnp.stack(rows, axis=-2)                          # [L,r,c]
+    rows.append(eye[r] - jnp.einsum("...s,...sc->...c", m[..., r, :r], prev))
+  return jnp.stack(rows, axis=-2)
+
+
 def _unit_lower_inverse(m, sub):
   """Inverse of I + m for strictly lower-triangular m [L...,C,C].
 
-  Blocked forward substitution: triangular solves on the c x c diagonal blocks,
-  matmuls for the rest (backward stable, unlike a Neumann series).
+  Blocked forward substitution: row-by-row substitution inside the c x c
+  diagonal blocks, matmuls for the rest (backward stable, unlike a Neumann
+  series).
   """
   *lead, C, _ = m.shape
   nb = C // sub
-  tri_solve = functools.partial(
-      jax.lax.linalg.triangular_solve, left_side=True, lower=True,
-      unit_diagonal=True)
-  eye = jnp.broadcast_to(jnp.eye(sub, dtype=m.dtype), (*lead, sub, sub))
   blk = lambda i, j: m[..., i * sub:(i + 1) * sub, j * sub:(j + 1) * sub]
+  diag = _block_inverse(jnp.stack([blk(i, i) for i in range(nb)], axis=-3))
   p = [[None] * nb for _ in range(nb)]
   for i in range(nb):
-    p[i][i] = tri_solve(blk(i, i), eye)
+    p[i][i] = diag[..., i, :, :]
     for j in range(i):
       acc = sum(blk(i, l) @ p[l][j] for l in range(j, i))
       p[i][j] = -(p[i][i] @ acc)
