@@ -23,6 +23,13 @@ Usage:
   python -m experiments.bench_model
   python -m experiments.bench_model --patterns=KKKK --seq_lens=2048 \
       --kda_chunk_sizes=32,64,128
+  python -m experiments.bench_model --patterns= --moe_seq_lens=512,2048
+
+A second table (`--moe_seq_lens`, empty = none) compares MoE feed-forwards
+with the dense model of equal active parameters: the config's dense SwiGLU
+(F = mlp_hidden_dim) vs `E` routed experts of width F/3, top-2, plus one
+shared expert (active width 3 x F/3 = F) after a first dense layer, for each
+`E` in `--moe_num_experts`.
 """
 
 import json
@@ -54,9 +61,14 @@ _SECONDS = flags.DEFINE_float("seconds", 3.0,
 _MIN_STEPS = flags.DEFINE_integer("min_steps", 2, "Minimum timed steps.")
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 420,
                                 "Time limit per configuration (seconds).")
+_MOE_SEQ_LENS = flags.DEFINE_list(
+    "moe_seq_lens", ["512", "2048"],
+    "Row lengths of the MoE vs dense table; empty = no MoE table.")
+_MOE_EXPERTS = flags.DEFINE_list("moe_num_experts", ["8", "32"],
+                                 "Routed experts of the MoE rows.")
 _CHILD = flags.DEFINE_string(
     "child", None, "Internal: run one configuration given as JSON "
-    "{pattern, seq_len, chunk} and print its result as JSON.")
+    "{pattern, seq_len, chunk[, model]} and print its result as JSON.")
 
 
 def _batch(batch, seq_len, vocab, seed=0):
@@ -131,9 +143,21 @@ def _config(pattern: str, chunk: int):
   return cfg
 
 
-def _run_child(pattern: str, seq_len: int, chunk: int) -> dict | str:
+def _moe_overrides(num_experts: int) -> dict:
+  """Model keys of a MoE with the dense model's active FFN width."""
+  width = _CONFIG.value.model.mlp_hidden_dim // 3
+  return dict(num_experts=num_experts, num_experts_per_tok=2,
+              num_shared_experts=1, moe_intermediate_size=width,
+              first_k_dense_replace=1)
+
+
+def _run_child(pattern: str, seq_len: int, chunk: int,
+               overrides: dict | None = None) -> dict | str:
   """Runs one configuration in a subprocess; returns its result or why not."""
-  spec = json.dumps(dict(pattern=pattern, seq_len=seq_len, chunk=chunk))
+  spec = dict(pattern=pattern, seq_len=seq_len, chunk=chunk)
+  if overrides:
+    spec["model"] = overrides
+  spec = json.dumps(spec)
   argv = [sys.executable, "-m", "experiments.bench_model", f"--child={spec}"]
   argv += [a for a in sys.argv[1:] if a.startswith("--config")]
   argv += [f"--rows={_ROWS.value}", f"--seconds={_SECONDS.value}",
@@ -154,7 +178,9 @@ def main(argv):
   del argv
   if _CHILD.value:
     spec = json.loads(_CHILD.value)
-    result = bench(_config(spec["pattern"], spec["chunk"]), spec["seq_len"],
+    cfg = _config(spec["pattern"], spec["chunk"])
+    cfg.update(spec.get("model", {}))
+    result = bench(cfg, spec["seq_len"],
                    rows=_ROWS.value, seconds=_SECONDS.value,
                    min_steps=_MIN_STEPS.value)
     print(json.dumps(result), flush=True)
@@ -179,6 +205,33 @@ def main(argv):
         print(f"| {pattern} | {seq_len} | {chunk_s} | {r['step_s']:.3f} "
               f"| {r['tokens_per_s']:,.0f} | {r['xla_mib']:,.0f} "
               f"| {r['rss_mib']:,.0f} |", flush=True)
+  if _MOE_SEQ_LENS.value:
+    _moe_table(base, chunks[0])
+
+
+def _moe_table(base, chunk: int) -> None:
+  """MoE rows vs the dense model of equal active parameters."""
+  pattern = base.attention_pattern
+  width = base.mlp_hidden_dim // 3
+  print(f"\nMoE vs dense, pattern {pattern}, layer 0 dense in all rows "
+        f"(active FFN width {base.mlp_hidden_dim} everywhere)\n")
+  print("| FFN | seq_len | params | step s | tokens/s | XLA MiB | RSS MiB |")
+  print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
+  rows = [(f"dense SwiGLU {base.mlp_hidden_dim}", {})]
+  rows += [(f"MoE {e} x {width}, top-2 + 1 shared", _moe_overrides(int(e)))
+           for e in _MOE_EXPERTS.value]
+  for name, overrides in rows:
+    cfg = _config(pattern, chunk)
+    cfg.update(overrides)
+    params = model.param_count(cfg)
+    for seq_len in (int(s) for s in _MOE_SEQ_LENS.value):
+      r = _run_child(pattern, seq_len, chunk, overrides)
+      if isinstance(r, str):
+        print(f"| {name} | {seq_len} | {params:,} | {r} | | | |", flush=True)
+        continue
+      print(f"| {name} | {seq_len} | {params:,} | {r['step_s']:.3f} "
+            f"| {r['tokens_per_s']:,.0f} | {r['xla_mib']:,.0f} "
+            f"| {r['rss_mib']:,.0f} |", flush=True)
 
 
 if __name__ == "__main__":
