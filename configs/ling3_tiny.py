@@ -212,7 +212,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Byte values (via the shared reference; unused by text_files).
     config.data.vocab_size = 256
     config.data.seq_len = 256
-    config.data.batch_size = 8
+    config.data.batch_size = 2     # See data.batch_size.
     config.train.num_steps = 2000
     config.train.log_every = 50
     config.eval.every_steps = 250
