@@ -1,4 +1,4 @@
-"""`chunk_kda`: the public KDA op, its input checks, and implementation dispatch.
+"""`chunk_kda`: the public KDA op, its input checks and implementation dispatch.
 
 This module is the one place that chooses between KDA implementations.
 Everything here before `_kda_core` runs in Python on shapes and dtypes, so bad
@@ -12,10 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda_lm.ops.kda import common
-from kda_lm.ops.kda import pallas
-from kda_lm.ops.kda import reference
-from kda_lm.ops.kda import xla
+from kda_lm.ops.kda import common, pallas, reference, xla
 
 IMPLS = ("auto", "reference", "xla", "pallas")
 PALLAS_BACKENDS = ("tpu", "gpu")
@@ -96,7 +93,8 @@ def _validate(q, k, v, g, beta, *, scale, initial_state, segment_ids,
   if not isinstance(chunk_size, int) or chunk_size < 1 or (
       chunk_size > xla.SUB_BLOCK and chunk_size % xla.SUB_BLOCK):
     raise ValueError(f"chunk_size must be a positive int that is <= "
-                     f"{xla.SUB_BLOCK} or a multiple of it, got {chunk_size!r}.")
+                     f"{xla.SUB_BLOCK} or a multiple of it, got "
+                     f"{chunk_size!r}.")
 
   if segment_ids is not None and cu_seqlens is not None:
     raise ValueError("Pass segment_ids or cu_seqlens, not both.")

@@ -160,7 +160,7 @@ def _unit_lower_inverse(m, sub):
   for i in range(nb):
     p[i][i] = diag[..., i, :, :]
     for j in range(i):
-      acc = sum(blk(i, l) @ p[l][j] for l in range(j, i))
+      acc = sum(blk(i, n) @ p[n][j] for n in range(j, i))
       p[i][j] = -(p[i][i] @ acc)
   zero = jnp.zeros((*lead, sub, sub), m.dtype)
   rows = [jnp.concatenate([p[i][j] if j <= i else zero for j in range(nb)],
