@@ -61,6 +61,13 @@ echo "== 3. remaining pallas tests, compiled"
 JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 "${PYTEST[@]}" \
   -k "not ($SMOKE)$SKIP_GOLDEN" 2>&1 | tee "$LOG/tests_rest.log"
 rest=${PIPESTATUS[0]}
+if [ -z "$SKIP_GOLDEN" ]; then
+  echo "== 3b. FLA golden fixture through impl=pallas, compiled"
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 "$PY" -m pytest \
+    tests/kda_op_test.py -q -p no:cacheprovider -k "golden and pallas" \
+    2>&1 | tee "$LOG/tests_golden.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || rest=1
+fi
 
 echo "== exit codes (124 = timed out): smoke=$smoke bench=$bench rest=$rest"
 [ "$smoke" = 0 ] && [ "$bench" = 0 ] && [ "$rest" = 0 ]

@@ -41,8 +41,11 @@ TOKEN_FIELDS = ("q", "k", "v", "g", "beta")
 GATE_FIELDS = ("g", "A_log", "dt_bias")
 BF16 = ml_dtypes.bfloat16
 
-GOLDEN_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
-                           "..", "shared", "fixtures", "fla_kda_golden.npz")
+# KDA_LM_GOLDEN_NPZ overrides the path (experiments/gpu_check.sh: the shared/
+# folder beside the checkout does not travel to a lent GPU machine).
+GOLDEN_PATH = os.environ.get("KDA_LM_GOLDEN_NPZ") or os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared",
+    "fixtures", "fla_kda_golden.npz")
 GOLDEN_CASES = ("dense", "dense_h0", "varlen", "varlen_gate_l2",
                 "varlen_lowerbound", "spikes")
 
@@ -290,7 +293,9 @@ GOLDEN_TOL_SPIKES = 1e-4
 GOLDEN_TOL_REDUCED = 3e-4
 
 
-@pytest.mark.parametrize("impl", ALL_IMPLS)
+# The golden fixture also runs the Pallas kernels (interpret mode on CPU):
+# the one place the FLA peer is checked for every implementation.
+@pytest.mark.parametrize("impl", ALL_IMPLS + ["pallas"])
 @pytest.mark.parametrize("case", GOLDEN_CASES)
 def test_golden_fixture(case, impl):
   z = _golden()
