@@ -139,7 +139,7 @@ def make_inputs(rng, B, T, H, D, dtype, gate, docs):
   fixed = dict(do=jnp.asarray(randn(B, T, H, D)),
                dht=jnp.asarray(randn(B, H, D, D)), segment_ids=None)
   ids = np.zeros((B, T), np.int32)
-  for b in range(B):                    # `docs` documents of random lengths
+  for b in range(B if docs > 0 else 0):  # `docs` documents, random lengths
     cuts = np.sort(rng.choice(np.arange(1, T), docs - 1, replace=False))
     ids[b] = np.searchsorted(cuts, np.arange(T), side="right") + 1
   return params, fixed, static, jnp.asarray(ids)

@@ -49,14 +49,20 @@ def _local_frames(g, run, *, sub):
   frames that restart at each sub-block and each segment start, so values stay
   small (precise) and one document never perturbs another's rounding.
 
+  Each exponent is a masked sum of exactly the gates it spans (never a
+  difference of two cumulative sums), so autodiff sends a decay's gradient only
+  to the gates between its two ends: gate gradients gather no +x/-x pairs that
+  cancel in float32 (strong gates otherwise cost ~100x precision in dA_log).
+
   Args:
     g: [B,H,G,C,K] log decay (<= 0; 0 at padding).
     run: [B,G,C] segment-run index.
     sub: sub-block size c.
 
   Returns:
-    L [B,H,G,nb,c,K]: cumulative gate from max(block start, segment start)
-      to each row; tot [B,H,G,nb,K]: L at each block's last row;
+    L [B,H,G,nb,c,K]: cumulative gate from max(block start, segment start) to
+      each row; R [B,H,G,nb,c,K]: sum of the same segment's gates after each
+      row up to the block's end; tot [B,H,G,nb,K]: L at each block's last row;
       same_b [B,1,G,nb,c,c]: same-segment mask inside each block;
       reach_end [B,1,G,nb,c,1]: the row's segment reaches its block's end.
   """
@@ -65,12 +71,50 @@ def _local_frames(g, run, *, sub):
   run_b = run.reshape(*run.shape[:-1], nb, sub)[:, None]      # [B,1,G,nb,c]
   same_b = run_b[..., :, None] == run_b[..., None, :]
   tri = jnp.tril(jnp.ones((sub, sub), bool))
-  L = (same_b & tri).astype(jnp.float32) @ g.reshape(*lead, nb, sub, K)
+  g_b = g.reshape(*lead, nb, sub, K)
+  L = (same_b & tri).astype(jnp.float32) @ g_b
+  R = (same_b & ~tri).astype(jnp.float32) @ g_b
   reach_end = (run_b == run_b[..., -1:])[..., None]
-  return L, L[..., -1, :], same_b, reach_end
+  return L, R, L[..., -1, :], same_b, reach_end
 
 
-def _decayed_products(xs, k, L, tot, same_b, reach_end, *, safe):
+@jax.custom_vjp
+def _pair_exponents(g_b, same_b):
+  """[..., r, s, K]: G_r - G_s inside each sub-block (same-segment pairs).
+
+  The exponent of the exact pairwise decay exp(G_r - G_s), s <= r. The
+  forward is the cheap difference of segment-local cumulative gates; the
+  custom backward sends each pair's cotangent to exactly the gates it spans,
+  `dg_t = sum_{r >= t > s} d[r, s]` (see `_local_frames` for why). Entries
+  for other pairs are finite and must be masked out by the caller, so their
+  cotangents are zero.
+
+  Args:
+    g_b: [..., c, K] gates of each sub-block.
+    same_b: [..., c, c] bool same-segment mask (broadcastable).
+  """
+  sub = g_b.shape[-2]
+  tri = jnp.tril(jnp.ones((sub, sub), bool))
+  L = (same_b & tri).astype(jnp.float32) @ g_b
+  return L[..., :, None, :] - L[..., None, :, :]
+
+
+def _pair_exponents_fwd(g_b, same_b):
+  return _pair_exponents(g_b, same_b), None
+
+
+def _pair_exponents_bwd(_, d):
+  sub = d.shape[-2]
+  after = jnp.triu(jnp.ones((sub, sub), jnp.float32), 1)   # [s, t]: s < t
+  upto = jnp.tril(jnp.ones((sub, sub), jnp.float32))       # [r, t]: t <= r
+  spans = jnp.einsum("...rsk,st->...rtk", d, after)        # sum over s < t
+  return jnp.einsum("...rtk,rt->...tk", spans, upto), None
+
+
+_pair_exponents.defvjp(_pair_exponents_fwd, _pair_exponents_bwd)
+
+
+def _decayed_products(xs, k, g, L, R, tot, same_b, reach_end, *, safe):
   """Returns [sum_d x_r k_s exp(G_r - G_s)]_{r,s} for each x in xs.
 
   Only same-segment entries with s <= r are meaningful; every other entry is
@@ -84,7 +128,8 @@ def _decayed_products(xs, k, L, tot, same_b, reach_end, *, safe):
   Args:
     xs: tuple of [L...,C,K] row-side operands (q and/or k).
     k: [L...,C,K] column-side keys.
-    L, tot, same_b, reach_end: from `_local_frames`.
+    g: [L...,C,K] gates.
+    L, R, tot, same_b, reach_end: from `_local_frames`.
     safe: factorise the diagonal sub-blocks too.
 
   Returns:
@@ -98,7 +143,7 @@ def _decayed_products(xs, k, L, tot, same_b, reach_end, *, safe):
   k_b = blk(k)
   # Column factor: decay from s to the end of its block (its segment must
   # reach that end), times the decay of the full blocks strictly between.
-  k_col = k_b * jnp.exp(jnp.where(reach_end, tot[..., None, :] - L, neg_inf))
+  k_col = k_b * jnp.exp(jnp.where(reach_end, R, neg_inf))
   between_mask = (jnp.arange(nb)[None, :, None] < jnp.arange(nb)[None, None, :]
                   ) & (jnp.arange(nb)[None, None, :] < jnp.arange(nb)[:, None,
                                                                       None])
@@ -111,7 +156,7 @@ def _decayed_products(xs, k, L, tot, same_b, reach_end, *, safe):
     k_diag = k_b * jnp.exp(-L)                               # <= e^(5c)
   else:
     tri = jnp.tril(jnp.ones((sub, sub), bool))
-    diff = L[..., :, None, :] - L[..., None, :, :]           # [L,nb,c,c,K]
+    diff = _pair_exponents(blk(g), same_b)                   # [L,nb,c,c,K]
     decay = jnp.exp(jnp.where((tri & same_b)[..., None], diff, neg_inf))
   eye = jnp.eye(nb, dtype=jnp.float32)
   outs = []
@@ -185,8 +230,8 @@ def _intra(q, k, v, g, beta, run, run_prev, *, sub, safe):
   *lead, C, K = q.shape
   nb = C // sub
   neg_inf = jnp.array(-jnp.inf, f32)
-  L, tot, same_b, reach_end = _local_frames(g, run, sub=sub)
-  aqk, akk = _decayed_products((q, k), k, L, tot, same_b, reach_end,
+  L, R, tot, same_b, reach_end = _local_frames(g, run, sub=sub)
+  aqk, akk = _decayed_products((q, k), k, g, L, R, tot, same_b, reach_end,
                                safe=safe)
   same = (run[..., :, None] == run[..., None, :])[:, None]   # [B,1,G,C,C]
   tri = jnp.tril(jnp.ones((C, C), bool))
@@ -205,8 +250,7 @@ def _intra(q, k, v, g, beta, run, run_prev, *, sub, safe):
   carry = (run[..., -1] == run_prev)[:, None, :, None]       # [B,1,G,1]
   blk_mask = lambda m: m.reshape(*m.shape[:-1], nb, sub)[..., None]
   from_start = jnp.exp(jnp.where(blk_mask(first), L + before, neg_inf))
-  to_end = jnp.exp(jnp.where(blk_mask(last), tot[..., None, :] - L + after,
-                             neg_inf))
+  to_end = jnp.exp(jnp.where(blk_mask(last), R + after, neg_inf))
   from_start = from_start.reshape(*lead, C, K)
   to_end = to_end.reshape(*lead, C, K)
   w = p @ (beta[..., None] * k * from_start)
