@@ -16,6 +16,20 @@ DeepSeek-V3 reports 671B + 14B MTP); "activated" is what one token reads:
 total minus the routed experts it does not select (`E - k` of `E` per MoE
 layer), minus the input embedding table (a lookup, not a matmul), the LM
 head counted. `count_params` also returns the MTP layers separately.
+
+Sources. The shapes are those of the models' `config.json` as copied into
+public test fixtures (inclusionAI `BailingMoeV3ForCausalLM`,
+"bailing_hybrid"): both sizes use `n_group` 8 / `topk_group` 4, a shared
+expert as wide as a routed one, the bounded KDA gate (`kda_safe_gate`,
+`kda_lower_bound` -5, no low-rank gates) and a head-wise MLA output gate;
+tiny has no MTP layer (`num_nextn_predict_layers` 0), flash has one.
+
+The activated counts. This convention reproduces flash's published 5.1B
+exactly (5.10B; counting the input embedding too gives 5.51B) and tiny's
+"~1.2B active" of SGLang's Ling-3.0-tiny cookbook (1.14B), but NOT the 1.3B
+of tiny's model card: no convention gives 1.3B from tiny's config (with the
+input embedding: 1.38B). Ling 2.0's cards count both tables (Ling-mini-2.0:
+789M non-embedding + 2 x 322M = 1.43B "1.4B"), which is flash's 5.51B.
 """
 
 from typing import Any
@@ -44,8 +58,8 @@ def model_config(size: str) -> ml_collections.ConfigDict:
     m.update(dict(
         d_model=1536, attention_pattern=model_lib.ling_pattern(24, 4),
         num_heads=16, q_lora_rank=256, mlp_hidden_dim=4608, num_experts=128,
-        moe_intermediate_size=512, first_k_dense_replace=1,
-        num_mtp_layers=0))
+        moe_intermediate_size=512, first_k_dense_replace=1, n_group=8,
+        topk_group=4, num_mtp_layers=0))
   elif size == "flash":
     m.update(dict(
         d_model=2560, attention_pattern=model_lib.ling_pattern(42, 6),

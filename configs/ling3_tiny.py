@@ -1,4 +1,12 @@
-r"""ling3_tiny: a 4-layer KKKM hybrid (3 KDA : 1 MLA) small enough for 2 CPUs.
+r"""ling3_tiny: a miniature of Ling 3.0 small enough for 2 CPUs.
+
+Four layers KKKM (Ling 3.0's layer_group_size=4 rule: 3 KDA : 1 MLA), the
+KDA `ling` gate (full-rank, bounded in (-5, 0)), gated MLA with RoPE, and
+Ling 3.0's feed-forward layout: layer 0 keeps a dense SwiGLU (384 wide),
+layers 1-3 are MoE (8 SwiGLU experts of width 128, top-2, sigmoid router
+with the aux-loss-free selection bias, 1 shared expert: active FFN width
+3 x 128 = the dense 384). Like Ling-3.0-tiny it has no MTP layer; `:mtp`
+adds one as in Ling-3.0-flash. The published shapes are `configs/ling3.py`.
 
 Usage:
 
@@ -8,16 +16,12 @@ Usage:
 
 Training (`python train.py --config=configs/ling3_tiny.py[:variant]`):
 
-  (default)  delayed copy (delay 32, beyond the short-conv window), KKKM.
+  (default)  delayed copy (delay 32, beyond the short-conv window).
   :text      byte-level language model on the `text_files` dataset.
   :kda_only  attention_pattern "KKKK".
   :mla_only  attention_pattern "MMMM".
-  :moe       the full Ling 3.0 miniature: layer 0 keeps the dense SwiGLU,
-             layers 1-3 are MoE (8 SwiGLU experts of width 128, top-2,
-             sigmoid router with aux-loss-free selection bias, 1 shared
-             expert: active FFN width 3 x 128 = the dense 384), plus one
-             MTP layer (MLA + MoE) with loss weight 0.1. The default stays
-             dense: tests derive their models from `model_config()`.
+  :dense     dense SwiGLU feed-forward in every layer (num_experts=0).
+  :mtp       one MTP layer (MLA + MoE) with loss weight 0.1.
 
 `get_config(arg)` takes the text after `:` in `--config=path.py:arg`;
 variants combine with commas, e.g. `:text,kda_only`.
@@ -68,7 +72,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.kda_impl = "auto"             # chunk_kda impl: auto | reference | xla.
   m.kda_chunk_size = 64           # chunk_kda chunk length (tokens).
   # Mixture of experts (Bailing / DeepSeek-V3, kda_lm/layers/moe.py).
-  m.num_experts = 0               # E routed experts; 0 = dense SwiGLU FFNs.
+  m.num_experts = 8               # E routed experts; 0 = dense SwiGLU FFNs.
   m.num_experts_per_tok = 2       # k experts per token (top-k).
   m.num_shared_experts = 1        # Experts every token goes through.
   m.moe_intermediate_size = 128   # Hidden width of each expert (channels).
@@ -175,7 +179,7 @@ def mesh_config() -> ml_collections.ConfigDict:
   return m
 
 
-VARIANTS = ("text", "kda_only", "mla_only", "moe")
+VARIANTS = ("text", "kda_only", "mla_only", "dense", "mtp")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -222,7 +226,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.attention_pattern = "KKKK"
   if "mla_only" in variants:
     config.model.attention_pattern = "MMMM"
-  if "moe" in variants:
-    config.model.num_experts = 8
+  if "dense" in variants:
+    config.model.num_experts = 0
+  if "mtp" in variants:
     config.model.num_mtp_layers = 1
   return config

@@ -11,12 +11,11 @@ and then times it, reporting
   (arguments + outputs + temporaries, CPU),
 * RSS MiB: the peak resident memory of the process that ran it (CPU).
 
+The pattern table uses dense SwiGLU feed-forwards in every layer
+(`num_experts=0`) so that it compares sequence mixers only.
+
 Each configuration runs in its own subprocess with a time limit, so its peak
 RSS is its own and a wedged run is reported instead of blocking the table.
-(jaxlib 0.10.2's CPU LAPACK kernels can deadlock XLA's intra-op thread pool
-when several batched `triangular_solve`s run at once; the chunked KDA path
-issues C/16 of them per chunk group. One row per step stays below the batch
-size where that happens for ling3_tiny, hence `--rows=1` by default.)
 
 Usage:
 
@@ -26,7 +25,7 @@ Usage:
   python -m experiments.bench_model --patterns= --moe_seq_lens=512,2048
 
 A second table (`--moe_seq_lens`, empty = none) compares MoE feed-forwards
-with the dense model of equal active parameters: the config's dense SwiGLU
+with the dense model of equal active parameters: the dense SwiGLU
 (F = mlp_hidden_dim) vs `E` routed experts of width F/3, top-2, plus one
 shared expert (active width 3 x F/3 = F) after a first dense layer, for each
 `E` in `--moe_num_experts`.
@@ -137,7 +136,9 @@ def bench(model_config, seq_len: int, *, rows: int, seconds: float,
 
 
 def _config(pattern: str, chunk: int):
+  """The pattern table's model: dense SwiGLU FFNs (MoE rows override)."""
   cfg = _CONFIG.value.model.copy_and_resolve_references()
+  cfg.num_experts = 0
   cfg.attention_pattern = pattern
   cfg.kda_chunk_size = chunk
   return cfg

@@ -15,6 +15,11 @@ Per delay, documents are `2*delay .. 4*delay` tokens long (short documents
 are packed several to a row) and rows are `max(128, 4*delay)` tokens, with
 about 512 tokens per batch. Each run has its own workdir under `--workdir`;
 an existing finished run is reused (delete the directory to rerun).
+
+The runs use `--variant` of ling3_tiny, by default `dense` (a dense SwiGLU
+in every layer): the sweep compares sequence mixers, and the MoE's masked
+dense `ragged_dot` on CPU would only slow every run down alike. Pass
+`--variant=` for the default MoE model.
 """
 
 import os
@@ -40,6 +45,8 @@ _TARGET = flags.DEFINE_float("target", 0.99, "Eval accuracy to reach.")
 _TOKENS_PER_BATCH = flags.DEFINE_integer("tokens_per_batch", 512,
                                          "batch_size x seq_len.")
 _SEED = flags.DEFINE_integer("seed", 0, "train.seed of every run.")
+_VARIANT = flags.DEFINE_string(
+    "variant", "dense", "ling3_tiny variant(s) of every run ('' = default).")
 
 _NAMES = {"KKKM": "hybrid", "KKKK": "KDA-only", "MMMM": "MLA-only"}
 
@@ -47,7 +54,8 @@ _NAMES = {"KKKM": "hybrid", "KKKK": "KDA-only", "MMMM": "MLA-only"}
 def make_config(pattern: str, delay: int, *, reset: bool = True,
                 stop: bool = True, num_steps: int = 300, eval_every: int = 25,
                 target: float = 0.99, tokens_per_batch: int = 512,
-                seed: int = 0, data_dir: str | None = None) -> Any:
+                seed: int = 0, data_dir: str | None = None,
+                variant: str = "dense") -> Any:
   """The ling3_tiny config of one sweep run.
 
   Args:
@@ -61,11 +69,12 @@ def make_config(pattern: str, delay: int, *, reset: bool = True,
     tokens_per_batch: `batch_size * seq_len`.
     seed: `train.seed`.
     data_dir: shared TFDS dir.
+    variant: the `ling3_tiny.get_config` argument.
 
   Returns:
     The config.
   """
-  config = ling3_tiny.get_config()
+  config = ling3_tiny.get_config(variant)
   config.model.attention_pattern = pattern
   data = config.data
   data.delay = delay
@@ -124,7 +133,8 @@ def main(argv):
   common = dict(num_steps=_NUM_STEPS.value, eval_every=_EVAL_EVERY.value,
                 target=_TARGET.value,
                 tokens_per_batch=_TOKENS_PER_BATCH.value,
-                seed=_SEED.value, data_dir=data_dir)
+                seed=_SEED.value, data_dir=data_dir,
+                variant=_VARIANT.value)
   delays = [int(d) for d in _DELAYS.value]
   results = {}
   for delay in delays:

@@ -12,6 +12,7 @@ import pytest
 
 from configs import ling3_tiny
 from kda_lm import model
+from kda_lm.layers import moe
 
 VOCAB, T = 32, 128
 LENS = (3, 70, 40)   # < conv window; crosses the 64-token chunk boundary.
@@ -140,10 +141,16 @@ def test_gradients_finite_and_reach_every_parameter():
     return jnp.sum(nll * (seg[:, 1:] != 0)) / jnp.sum(seg[:, 1:] != 0)
 
   grads = jax.jit(jax.grad(loss))(params)
+  n_bias = 0
   for module, name, g in hk.data_structures.traverse(grads):
     g = np.asarray(g)
     assert np.all(np.isfinite(g)), (module, name)
-    assert np.any(g != 0), (module, name)
+    if name == moe.BIAS_NAME:   # selection only: steered by load, not grads
+      assert np.all(g == 0), (module, name)
+      n_bias += 1
+    else:
+      assert np.any(g != 0), (module, name)
+  assert n_bias == 3            # the default config's MoE layers 1-3
   kda_modules = [m_ for m_ in grads if m_.endswith("/kda")]
   assert len(kda_modules) == 3
   for module in kda_modules:
@@ -160,8 +167,12 @@ def test_bfloat16_compute():
   out = np.asarray(jax.jit(m.apply)(params, tokens, seg))
   assert out.dtype == np.float32 and np.all(np.isfinite(out))
   valid = seg[0] != 0
-  err = np.abs(out[0, valid] - ref[0, valid]).max() / np.abs(ref).max()
-  assert err < 0.1, err
+  err = np.abs(out[0, valid] - ref[0, valid]).max(-1) / np.abs(ref).max()
+  # bfloat16 activations can flip a near-tie top-k choice of the (float32)
+  # router, which changes that token's output by a whole expert; every other
+  # token stays within 10% of the float32 logits.
+  assert np.mean(err >= 0.1) <= 0.1, (np.mean(err >= 0.1), err)
+  assert np.median(err) < 0.02, np.median(err)
   init_params = jax.eval_shape(m.init, jax.random.key(0), tokens)
   assert {p.dtype for p in jax.tree.leaves(init_params)} == {
       np.dtype(np.float32)}
