@@ -21,6 +21,7 @@ jitted forward+gradient function per static configuration.
 
 import functools
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -167,6 +168,30 @@ def test_head_dim_64_matches_reference(gate):
            fwd_and_grads("reference", params, None, do, dht, **static))
 
 
+def test_v_blocks_match_reference(monkeypatch):
+  """KDA_LM_PALLAS_V_BLOCK splits the state's V columns over programs (GPU
+  grid axis j; interpret mode too). V=48 pads to 64: 4 blocks of 16, the
+  shared-input gradients summed over blocks."""
+  params, static, do, dht = make_inputs(3, 2, PACKED_T, v=48)
+  seg = PACKED_IDS
+  whole = fwd_and_grads("pallas", params, seg, do, dht, **static)
+  monkeypatch.setenv(pallas.V_BLOCK_ENV, "16")
+
+  def loss(p):  # a fresh trace: the env var is read when tracing
+    o, s = chunk_kda(**p, segment_ids=seg, output_final_state=True,
+                     impl="pallas", **static)
+    return jnp.sum(o * do) + jnp.sum(s * dht), (o, s)
+
+  grads, (o, s) = jax.jit(jax.grad(loss, has_aux=True))(params)
+  split = jax.tree.map(np.asarray, (o, s, grads))
+  _compare(params, split, fwd_and_grads("reference", params, seg, do, dht,
+                                        **static))
+  _compare(params, split, whole, fwd_tol=1e-6, grad_tol=1e-6)
+  monkeypatch.setenv(pallas.V_BLOCK_ENV, "48")
+  with pytest.raises(ValueError, match="power of two"):
+    pallas.read_options()
+
+
 def test_vmap_over_rows_equals_batch():
   """RFC-0026's per-row vmap of a B=1 call == one call with B rows, bit for
   bit. Pre-activated gates: XLA's CPU code for the in-kernel gate / l2norm
@@ -308,3 +333,7 @@ def test_cross_lowering(platform, mode, monkeypatch):
   assert text.count(TARGETS[platform]) == want, text.count(TARGETS[platform])
   other = TARGETS["cuda" if platform == "tpu" else "tpu"]
   assert other not in text
+  if platform == "cuda":  # grid (B, H, V / 64): the default V blocks
+    grids = re.findall(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, "
+                       r"grid_z = (\d+)", text)
+    assert grids and all(g == ("1", "16", "2") for g in grids), grids

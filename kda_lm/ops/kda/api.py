@@ -152,10 +152,10 @@ def _validate(q, k, v, g, beta, *, scale, initial_state, segment_ids,
     jax.jit,
     static_argnames=("scale", "lower_bound", "use_gate_in_kernel",
                      "use_qk_l2norm_in_kernel", "safe_gate", "impl",
-                     "chunk_size", "pallas_interpret"))
+                     "chunk_size", "pallas_options"))
 def _kda_core(q, k, v, g, beta, segment_ids, initial_state, A_log, dt_bias, *,
               scale, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel,
-              safe_gate, impl, chunk_size, pallas_interpret=None):
+              safe_gate, impl, chunk_size, pallas_options=None):
   """Canonicalises and runs one implementation. Returns f32 (o, state)."""
   B, T, H, K = q.shape
   V = v.shape[-1]
@@ -174,7 +174,7 @@ def _kda_core(q, k, v, g, beta, segment_ids, initial_state, A_log, dt_bias, *,
     return reference.kda_recurrent(q, k, v, g, beta, segs, h0, scale)
   if impl == "pallas":
     return pallas.kda_pallas(q, k, v, g, beta, segs, h0, scale,
-                             interpret=pallas_interpret)
+                             options=pallas_options)
   return xla.kda_chunked(q, k, v, g, beta, segs, h0, scale,
                          chunk_size=chunk_size, safe_gate=safe_gate)
 
@@ -261,7 +261,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
       use_gate_in_kernel=bool(use_gate_in_kernel),
       use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
       safe_gate=bool(safe_gate), impl=impl, chunk_size=chunk_size,
-      pallas_interpret=pallas.interpret_mode() if impl == "pallas" else None)
+      pallas_options=pallas.read_options() if impl == "pallas" else None)
   if cu_seqlens is None:
     o, state = _kda_core(q, k, v, g, beta, segment_ids, initial_state, A_log,
                          dt_bias, **core_kwargs)

@@ -4,9 +4,9 @@ The math is the chunked WY/UT form of `xla.py` (facts in
 ../shared/notes/kda-math.md), fused so that the [K,V] float32 state never
 leaves the chip between chunks:
 
-  grid (B, H); per program a `lax.fori_loop` over chunks of C=64 tokens
-  carrying the state S as the loop value. Per chunk, in sub-blocks of c=16
-  rows (i, j index sub-blocks; r, s rows):
+  grid (B, H, V / v_block); per program a `lax.fori_loop` over chunks of
+  C=64 tokens carrying its columns of the state S as the loop value. Per
+  chunk, in sub-blocks of c=16 rows (i, j index sub-blocks; r, s rows):
 
   L        = gate cumulated from max(sub-block start, segment start) to each
              row: a [c,c] masked lower-triangular matmul (Mosaic TPU cannot
@@ -65,6 +65,7 @@ NB = CHUNK // SUB          # sub-blocks per chunk
 MAX_HEAD_DIM = 256         # K and V limit (state [K,V] f32 stays on chip)
 INTERPRET_ENV = "KDA_LM_PALLAS_INTERPRET"
 NUM_WARPS_ENV = "KDA_LM_PALLAS_NUM_WARPS"
+V_BLOCK_ENV = "KDA_LM_PALLAS_V_BLOCK"
 
 _F32 = jnp.float32
 _HI = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
@@ -558,19 +559,64 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref,
 # pallas_call wrappers.
 
 
-def _num_warps():
-  return int(os.environ.get(NUM_WARPS_ENV, "4"))
+class Options(NamedTuple):
+  """Kernel settings read from the environment when a call is traced.
+
+  They are static arguments of the jitted op, so changing an environment
+  variable between calls retraces instead of reusing a stale kernel.
+  """
+  interpret: bool    # KDA_LM_PALLAS_INTERPRET (see `interpret_mode`)
+  v_block: int       # KDA_LM_PALLAS_V_BLOCK: V columns per program (GPU and
+  #                    interpret mode; TPU always takes the whole V)
+  num_warps: int     # KDA_LM_PALLAS_NUM_WARPS: Triton warps per program
 
 
-def _spec(*block):
-  """Per-(b, h) block of a [B, H, *block] array."""
-  return pl.BlockSpec((None, None) + block,
-                      lambda b, h: (b, h) + (0,) * len(block))
+def _env_int(name, default, ok, what):
+  env = os.environ.get(name, str(default))
+  if not env.isdigit() or not ok(int(env)):
+    raise ValueError(f"{name} must be {what}, got {env!r}.")
+  return int(env)
+
+
+def read_options():
+  """The `Options` the environment asks for (defaults: interpret on CPU
+  only, 64 V columns per program, 4 warps).
+
+  Raises:
+    ValueError: a malformed environment variable.
+  """
+  pow2 = lambda n: n >= 16 and not n & (n - 1)
+  return Options(
+      interpret=interpret_mode(),
+      v_block=_env_int(V_BLOCK_ENV, 64, pow2, "a power of two >= 16"),
+      num_warps=_env_int(NUM_WARPS_ENV, 4, lambda n: n in (1, 2, 4, 8, 16),
+                         "one of 1, 2, 4, 8, 16"))
+
+
+# Grid (b, h, j): j is the block of V columns a program owns. The state
+# columns are independent given q, k, g, beta (S[:, j] depends only on v[:, j]
+# and h0[:, j]), so a V block runs the same kernel on its columns; the
+# gradients of the shared inputs (q, k, g, beta) are per-block partial sums,
+# added up outside the kernel.
+
+
+def _spec(*block, v_axis=None):
+  """Per-(b, h) block of a [B, H, *block] array; `v_axis` (an index into
+  `block`) follows the program's V block j."""
+  def index(b, h, j):
+    return (b, h) + tuple(j if a == v_axis else 0 for a in range(len(block)))
+  return pl.BlockSpec((None, None) + block, index)
+
+
+def _partial_spec(*block):
+  """Per-(b, h, j) block of a [B, H, NV, *block] array of partial sums."""
+  return pl.BlockSpec((None, None, None) + block,
+                      lambda b, h, j: (b, h, j) + (0,) * len(block))
 
 
 def _seg_spec(tp):
   """Per-b block of a [B, Tp, 1] array (shared by the heads)."""
-  return pl.BlockSpec((None, tp, 1), lambda b, h: (b, 0, 0))
+  return pl.BlockSpec((None, tp, 1), lambda b, h, j: (b, 0, 0))
 
 
 def _vmem_bytes(specs_and_shapes):
@@ -582,63 +628,99 @@ def _vmem_bytes(specs_and_shapes):
   return 2 * total + (16 << 20)
 
 
-def _call(kernel, args, in_specs, out_specs, out_shape, grid, interpret):
+def _call(build, dims, cfg):
   """Runs a pallas_call in interpret mode, or per platform: Mosaic on TPU,
-  Triton on GPU (`lax.platform_dependent` lowers only the matching branch)."""
-  def run(params, interp=False):
-    return pl.pallas_call(
-        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, compiler_params=params,
-        interpret=interp)(*args)
+  Triton on GPU (`lax.platform_dependent` lowers only the matching branch).
 
-  if interpret:
-    return run(None, True)
-  tpu = pltpu.CompilerParams(
-      dimension_semantics=("parallel", "parallel"),
-      vmem_limit_bytes=min(_vmem_bytes(
-          [s.block_shape for s in list(in_specs) + list(out_specs)]),
-                           100 << 20))
-  gpu = pltriton.CompilerParams(num_warps=_num_warps(), num_stages=1)
+  `build(bv)` returns (kernel, args, in_specs, out_specs, out_shape, finish)
+  for V blocks of bv columns; `finish` turns the raw outputs into the
+  result. TPU keeps the whole V in one program (its blocks' last dim must be
+  a multiple of 128 or full); GPU and interpret mode use `v_block`.
+  `dims` is (B, H, Vp).
+  """
+  B, H, Vp = dims
+
+  def run(bv, params, interp=False):
+    kernel, args, in_specs, out_specs, out_shape, finish = build(bv)
+    if params == "tpu":
+      params = pltpu.CompilerParams(
+          dimension_semantics=("parallel",) * 3,
+          vmem_limit_bytes=min(_vmem_bytes(
+              [s.block_shape for s in list(in_specs) + list(out_specs)]),
+                               100 << 20))
+    return finish(pl.pallas_call(
+        kernel, grid=(B, H, Vp // bv), in_specs=in_specs,
+        out_specs=out_specs, out_shape=out_shape, compiler_params=params,
+        interpret=interp)(*args))
+
+  opts = cfg.options
+  split = min(opts.v_block, Vp)
+  if opts.interpret:
+    return run(split, None, True)
+  gpu = pltriton.CompilerParams(num_warps=opts.num_warps, num_stages=1)
   return lax.platform_dependent(
-      tpu=lambda: run(tpu), default=lambda: run(gpu))
+      tpu=lambda: run(Vp, "tpu"), default=lambda: run(split, gpu))
 
 
 class _Config(NamedTuple):
   scale: float
-  interpret: bool
+  options: Options
 
 
 def _fwd_call(cfg, q, k, v, g, beta, h0, run, rst, *, save_states):
   B, H, Tp, K = q.shape
-  V = v.shape[-1]
+  Vp = v.shape[-1]
   n_chunks = Tp // CHUNK
-  kernel = functools.partial(_fwd_kernel, scale=cfg.scale, n_chunks=n_chunks)
-  in_specs = [_spec(Tp, K), _spec(Tp, K), _spec(Tp, V), _spec(Tp, K),
-              _spec(Tp, 1), _seg_spec(Tp), _seg_spec(Tp), _spec(K, V)]
-  out_shape = [jax.ShapeDtypeStruct((B, H, Tp, V), _F32),
-               jax.ShapeDtypeStruct((B, H, K, V), _F32)]
-  out_specs = [_spec(Tp, V), _spec(K, V)]
-  if save_states:
-    out_shape.append(jax.ShapeDtypeStruct((B, H, n_chunks, K, V), _F32))
-    out_specs.append(_spec(n_chunks, K, V))
-  outs = _call(kernel, (q, k, v, g, beta, run, rst, h0), in_specs, out_specs,
-               out_shape, (B, H), cfg.interpret)
-  return tuple(outs) + ((None,) if not save_states else ())
+
+  def build(bv):
+    kernel = functools.partial(_fwd_kernel, scale=cfg.scale,
+                               n_chunks=n_chunks)
+    in_specs = [_spec(Tp, K), _spec(Tp, K), _spec(Tp, bv, v_axis=1),
+                _spec(Tp, K), _spec(Tp, 1), _seg_spec(Tp), _seg_spec(Tp),
+                _spec(K, bv, v_axis=1)]
+    out_shape = [jax.ShapeDtypeStruct((B, H, Tp, Vp), _F32),
+                 jax.ShapeDtypeStruct((B, H, K, Vp), _F32)]
+    out_specs = [_spec(Tp, bv, v_axis=1), _spec(K, bv, v_axis=1)]
+    if save_states:
+      out_shape.append(jax.ShapeDtypeStruct((B, H, n_chunks, K, Vp), _F32))
+      out_specs.append(_spec(n_chunks, K, bv, v_axis=2))
+    finish = lambda outs: tuple(outs) + ((None,) if not save_states else ())
+    return (kernel, (q, k, v, g, beta, run, rst, h0), in_specs, out_specs,
+            out_shape, finish)
+
+  return _call(build, (B, H, Vp), cfg)
 
 
 def _bwd_call(cfg, q, k, v, g, beta, run, rst, states, do, dfin):
   B, H, Tp, K = q.shape
-  V = v.shape[-1]
+  Vp = v.shape[-1]
   n_chunks = Tp // CHUNK
-  kernel = functools.partial(_bwd_kernel, scale=cfg.scale, n_chunks=n_chunks)
-  in_specs = [_spec(Tp, K), _spec(Tp, K), _spec(Tp, V), _spec(Tp, K),
-              _spec(Tp, 1), _seg_spec(Tp), _seg_spec(Tp),
-              _spec(n_chunks, K, V), _spec(Tp, V), _spec(K, V)]
-  shapes = [(Tp, K), (Tp, K), (Tp, V), (Tp, K), (Tp, 1), (K, V)]
-  out_shape = [jax.ShapeDtypeStruct((B, H) + s, _F32) for s in shapes]
-  out_specs = [_spec(*s) for s in shapes]
-  return _call(kernel, (q, k, v, g, beta, run, rst, states, do, dfin),
-               in_specs, out_specs, out_shape, (B, H), cfg.interpret)
+
+  def build(bv):
+    nv = Vp // bv
+    kernel = functools.partial(_bwd_kernel, scale=cfg.scale,
+                               n_chunks=n_chunks)
+    in_specs = [_spec(Tp, K), _spec(Tp, K), _spec(Tp, bv, v_axis=1),
+                _spec(Tp, K), _spec(Tp, 1), _seg_spec(Tp), _seg_spec(Tp),
+                _spec(n_chunks, K, bv, v_axis=2), _spec(Tp, bv, v_axis=1),
+                _spec(K, bv, v_axis=1)]
+    # dq, dk, dg, dbeta: one partial sum per V block; dv, dh0: V blocks.
+    shapes = [(nv, Tp, K), (nv, Tp, K), (Tp, Vp), (nv, Tp, K), (nv, Tp, 1),
+              (K, Vp)]
+    out_shape = [jax.ShapeDtypeStruct((B, H) + s, _F32) for s in shapes]
+    out_specs = [_partial_spec(Tp, K), _partial_spec(Tp, K),
+                 _spec(Tp, bv, v_axis=1), _partial_spec(Tp, K),
+                 _partial_spec(Tp, 1), _spec(K, bv, v_axis=1)]
+
+    def finish(outs):
+      dq, dk, dv, dg, dbeta, dh0 = outs
+      return (jnp.sum(dq, 2), jnp.sum(dk, 2), dv, jnp.sum(dg, 2),
+              jnp.sum(dbeta, 2), dh0)
+
+    return (kernel, (q, k, v, g, beta, run, rst, states, do, dfin),
+            in_specs, out_specs, out_shape, finish)
+
+  return _call(build, (B, H, Vp), cfg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
@@ -670,7 +752,7 @@ def _pow2(n):
   return max(16, 1 << (n - 1).bit_length())
 
 
-def kda_pallas(q, k, v, g, beta, segs, h0, scale, *, interpret=None):
+def kda_pallas(q, k, v, g, beta, segs, h0, scale, *, options=None):
   """Chunked KDA over canonical inputs with the Pallas kernels.
 
   Args:
@@ -680,8 +762,7 @@ def kda_pallas(q, k, v, g, beta, segs, h0, scale, *, interpret=None):
     segs: `common.Segments`.
     h0: [B,H,K,V] float32.
     scale: float multiplying q.
-    interpret: run the kernels in interpret mode; None reads
-      `interpret_mode()`.
+    options: kernel `Options`; None reads them from the environment.
 
   Returns:
     o [B,T,H,V] float32 (zero at padding) and the final state [B,H,K,V].
@@ -691,8 +772,8 @@ def kda_pallas(q, k, v, g, beta, segs, h0, scale, *, interpret=None):
   reason = unsupported_reason(K, V, CHUNK)
   if reason:
     raise NotImplementedError(reason)
-  if interpret is None:
-    interpret = interpret_mode()
+  if options is None:
+    options = read_options()
   Tp = -(-T // CHUNK) * CHUNK
   Kp, Vp = _pow2(K), _pow2(V)
 
@@ -708,7 +789,7 @@ def kda_pallas(q, k, v, g, beta, segs, h0, scale, *, interpret=None):
       head_major(q, K, Kp), head_major(k, K, Kp), head_major(v, V, Vp),
       head_major(g, K, Kp), head_major(beta[..., None], 1, 1), h0,
       run.astype(_F32)[..., None], rst.astype(_F32)[..., None],
-      _Config(scale=float(scale), interpret=bool(interpret)))
+      _Config(scale=float(scale), options=options))
   o = jnp.transpose(o[:, :, :T, :V], (0, 2, 1, 3))
   o = jnp.where(segs.pad[:, :, None, None], 0.0, o)
   return o, final[:, :, :K, :V]
