@@ -79,28 +79,27 @@ def _local_frames(g, run, *, sub):
 
 
 @jax.custom_vjp
-def _pair_exponents(g_b, same_b):
+def _pair_exponents(g_b, L):
   """[..., r, s, K]: G_r - G_s inside each sub-block (same-segment pairs).
 
   The exponent of the exact pairwise decay exp(G_r - G_s), s <= r. The
-  forward is the cheap difference of segment-local cumulative gates; the
-  custom backward sends each pair's cotangent to exactly the gates it spans,
-  `dg_t = sum_{r >= t > s} d[r, s]` (see `_local_frames` for why). Entries
-  for other pairs are finite and must be masked out by the caller, so their
+  forward is the difference of the segment-local cumulative gates `L` (from
+  `_local_frames`, computed from `g_b`); the custom backward sends each
+  pair's cotangent straight to the gates it spans, `dg_t = sum_{r >= t > s}
+  d[r, s]`, and none through `L` (see `_local_frames` for why). Entries for
+  other pairs are finite and must be masked out by the caller, so their
   cotangents are zero.
 
   Args:
     g_b: [..., c, K] gates of each sub-block.
-    same_b: [..., c, c] bool same-segment mask (broadcastable).
+    L: [..., c, K] their segment-local cumulative sums.
   """
-  sub = g_b.shape[-2]
-  tri = jnp.tril(jnp.ones((sub, sub), bool))
-  L = (same_b & tri).astype(jnp.float32) @ g_b
+  del g_b  # only its gradient path
   return L[..., :, None, :] - L[..., None, :, :]
 
 
-def _pair_exponents_fwd(g_b, same_b):
-  return _pair_exponents(g_b, same_b), None
+def _pair_exponents_fwd(g_b, L):
+  return _pair_exponents(g_b, L), None
 
 
 def _pair_exponents_bwd(_, d):
@@ -108,7 +107,8 @@ def _pair_exponents_bwd(_, d):
   after = jnp.triu(jnp.ones((sub, sub), jnp.float32), 1)   # [s, t]: s < t
   upto = jnp.tril(jnp.ones((sub, sub), jnp.float32))       # [r, t]: t <= r
   spans = jnp.einsum("...rsk,st->...rtk", d, after)        # sum over s < t
-  return jnp.einsum("...rtk,rt->...tk", spans, upto), None
+  dg = jnp.einsum("...rtk,rt->...tk", spans, upto)
+  return dg, jnp.zeros(d.shape[:-3] + d.shape[-2:], d.dtype)
 
 
 _pair_exponents.defvjp(_pair_exponents_fwd, _pair_exponents_bwd)
@@ -156,7 +156,7 @@ def _decayed_products(xs, k, g, L, R, tot, same_b, reach_end, *, safe):
     k_diag = k_b * jnp.exp(-L)                               # <= e^(5c)
   else:
     tri = jnp.tril(jnp.ones((sub, sub), bool))
-    diff = _pair_exponents(blk(g), same_b)                   # [L,nb,c,c,K]
+    diff = _pair_exponents(blk(g), L)                        # [L,nb,c,c,K]
     decay = jnp.exp(jnp.where((tri & same_b)[..., None], diff, neg_inf))
   eye = jnp.eye(nb, dtype=jnp.float32)
   outs = []
