@@ -640,26 +640,28 @@ def _call(build, dims, cfg):
   """
   B, H, Vp = dims
 
-  def run(bv, params, interp=False):
+  def run(bv, platform):
     kernel, args, in_specs, out_specs, out_shape, finish = build(bv)
-    if params == "tpu":
+    params = None
+    if platform == "tpu":
       params = pltpu.CompilerParams(
           dimension_semantics=("parallel",) * 3,
           vmem_limit_bytes=min(_vmem_bytes(
               [s.block_shape for s in list(in_specs) + list(out_specs)]),
                                100 << 20))
+    elif platform == "gpu":
+      params = pltriton.CompilerParams(num_warps=cfg.options.num_warps,
+                                       num_stages=1)
     return finish(pl.pallas_call(
         kernel, grid=(B, H, Vp // bv), in_specs=in_specs,
         out_specs=out_specs, out_shape=out_shape, compiler_params=params,
-        interpret=interp)(*args))
+        interpret=platform == "interpret")(*args))
 
-  opts = cfg.options
-  split = min(opts.v_block, Vp)
-  if opts.interpret:
-    return run(split, None, True)
-  gpu = pltriton.CompilerParams(num_warps=opts.num_warps, num_stages=1)
+  split = min(cfg.options.v_block, Vp)
+  if cfg.options.interpret:
+    return run(split, "interpret")
   return lax.platform_dependent(
-      tpu=lambda: run(Vp, "tpu"), default=lambda: run(split, gpu))
+      tpu=lambda: run(Vp, "tpu"), default=lambda: run(split, "gpu"))
 
 
 class _Config(NamedTuple):
