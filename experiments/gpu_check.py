@@ -80,19 +80,31 @@ def flops(B, T, H, K, V, backward):
 
 
 def kernel_bytes(B, T, H, K, V, backward):
-  """Bytes of the Pallas kernels' operands and results (all float32)."""
+  """Bytes of the Pallas kernels' operands and results (all float32), each
+  kernel's counted once (V blocks re-reading w and k E not counted)."""
   n = -(-T // CHUNK)
   tp = n * CHUNK
-  per_head_tok = 3 * K + V + 1          # q, k, g, v, beta
-  seg = 2 * B * tp                      # run, reset (per row)
-  state = K * V
-  fwd = B * H * (tp * per_head_tok + tp * V + 2 * state) + seg
-  if not backward:
-    return 4 * fwd
-  fwd += B * H * n * state              # saved per-chunk states
-  bwd = (B * H * (tp * per_head_tok + n * state + tp * V + state)  # inputs
-         + seg + B * H * (tp * per_head_tok + state))                # grads
-  return 4 * (fwd + bwd)
+  C, S = CHUNK, K * V
+  inputs = 3 * K + V + 1                 # q, k, g, v, beta per token, head
+  seg = 2 * B * tp                       # run, reset (per row)
+  per_tok = {  # (per token and head, per chunk and head, per head)
+      "intra": (inputs + 3 * K + V + C, K, 0),   # -> w, u, qF, kE, Aqk, Dv
+      "recur": (2 * K + 2 * V, K + S, 2 * S),    # w, u, kE, Dv, h0 -> v_new
+      "out": (K + C + 2 * V, S, 0),              # qF, S_in, Aqk, v_new -> o
+      "out_bwd": (K + C + 2 * V, S, 0),          # qF, Aqk, do -> Aqk^T do, ...
+      "recur_bwd": (V + 2 * K, 2 * S + K, 2 * S),
+      "chunk_bwd": (2 * inputs + V, 2 * S, 0),   # + S_in, dS', do -> grads
+  }
+  kernels = ["intra", "recur", "out"]
+  if backward:
+    kernels += ["out_bwd", "recur_bwd", "chunk_bwd"]
+  total = 0
+  for name in kernels:
+    tok, chunk, head = per_tok[name]
+    total += B * H * (tp * tok + n * chunk + head)
+    if name in ("intra", "chunk_bwd"):
+      total += seg
+  return 4 * total
 
 
 def make_inputs(seed, B, T, H, D, dtype, docs):

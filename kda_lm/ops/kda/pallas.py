@@ -1,45 +1,52 @@
 """Chunked KDA as Pallas kernels: one source for TPU (Mosaic) and GPU (Triton).
 
 The math is the chunked WY/UT form of `xla.py` (facts in
-../shared/notes/kda-math.md), fused so that the [K,V] float32 state never
-leaves the chip between chunks:
+../shared/notes/kda-math.md), split into kernels as FLA's chunk_kda does:
+the heavy intra-chunk work runs in parallel over chunks, and only a light
+recurrence walks the chunks in order. Forward:
 
-  grid (B, H, V / v_block); per program a `lax.fori_loop` over chunks of
-  C=64 tokens carrying its columns of the state S as the loop value. Per
-  chunk, in sub-blocks of c=16 rows (i, j index sub-blocks; r, s rows):
-
-  L        = gate cumulated from max(sub-block start, segment start) to each
-             row: a [c,c] masked lower-triangular matmul (Mosaic TPU cannot
-             lower `cumsum`); tot = L at each sub-block's last row.
-  Aqk, Akk = decayed products sum_d x_r k_s exp(G_r - G_s) over same-segment
-             pairs. Off-diagonal sub-blocks factorise as
-             exp(L_r) exp(tot between) exp(tot_j - L_s), every exponent <= 0;
-             diagonal sub-blocks use the exact pairwise decay one column at a
-             time, the exponent (not the result) masked.
-  P        = (I + diag(beta) Akk)^-1: forward substitution on the 16x16
-             diagonal blocks (rank-1 updates), matmuls for the others.
-  w, u     = P (beta k exp(G)) [first segment rows], P (beta v)
-  v_new    = u - w S;  o = (q exp(G)) S + Aqk v_new
-  S'       = exp(G_last) S [no reset in the chunk] + (k exp(G_last - G))^T
-             v_new [rows of the chunk's last segment]
+  1. `_intra_kernel`, grid (B, H, T/C): per chunk of C=64 tokens, in
+     sub-blocks of c=16 rows (i, j index sub-blocks; r, s rows):
+     L        = gate cumulated from max(sub-block start, segment start) to
+                each row: a [c,c] masked lower-triangular matmul (Mosaic TPU
+                cannot lower `cumsum`); tot = L at each sub-block's last row.
+     Aqk, Akk = decayed products sum_d x_r k_s exp(G_r - G_s) over
+                same-segment pairs. Off-diagonal sub-blocks factorise as
+                exp(L_r) exp(tot between) exp(tot_j - L_s), every exponent
+                <= 0; diagonal sub-blocks use the exact pairwise decay one
+                column at a time, the exponent (not the result) masked.
+     P        = (I + diag(beta) Akk)^-1: forward substitution on the 16x16
+                diagonal blocks (rank-1 updates), matmuls for the others.
+     w, u     = P (beta k exp(G)) [first segment rows], P (beta v);
+     and q exp(G), k exp(G_last - G), Dv = exp(G_last) [no reset], Aqk.
+  2. `_recur_kernel`, grid (B, H, V/v_block): a `lax.fori_loop` over the
+     chunks carrying the program's columns of the [K,V] float32 state:
+     v_new = u - w S,  S' = Dv S + (k exp(G_last - G))^T v_new
+     [rows of the chunk's last segment]; saves each chunk's entering S.
+  3. `_out_kernel`, grid (B, H, T/C): o = (q exp(G)) S + Aqk v_new.
 
 Segments: the kernels read a float32 run index per token (`run =
 cumsum(reset)`, exact below 2^24) and the reset flags, and build every
 same-segment, first-segment and last-segment mask in-kernel. Padding tokens
 arrive with q, k, v, g, beta = 0 and are transparent.
 
-The backward kernel walks the chunks in reverse carrying dS, recomputes each
-chunk's intra quantities from the state saved by the forward kernel at the
-chunk's start, and writes dq, dk, dv, dg, dbeta and dh0 (gradients derived by
-hand, see `_bwd_chunk`). `jax.custom_vjp` joins the two kernels; everything
-around them (gates, l2norm, layout) is differentiated by JAX.
+Backward: `_out_bwd_kernel` (per chunk: Aqk^T do and (q exp(G))^T do, the
+parts that do not depend on dS), `_recur_bwd_kernel` (per V block, chunks
+in reverse: dv_new = Aqk^T do + (k E) dS', dS = Dv dS' + (q F)^T do -
+w^T dv_new; saves each chunk's dS'), and `_chunk_bwd_kernel` (per chunk,
+given its S and dS': dq, dk, dv, dg, dbeta, derived by hand in
+`_bwd_chunk`). `jax.custom_vjp` joins them; everything around the kernels
+(gates, l2norm, layout) is differentiated by JAX. The V blocks of the
+recurrences are independent columns of S, so results do not depend on
+`v_block` (bit for bit).
 
 Lowering constraints honoured by the kernel source (checked by cross-lowering
 in tests/kda_pallas_test.py): no `cumsum`, no value slicing (Triton has no
 slice lowering: sub-blocks are loaded from refs, rows and columns extracted by
 masked reductions), every in-kernel array a power of two in size and every dot
-at least 16 wide (K and V are zero-padded to powers of two >= 16), full-T /
-full-K / full-V blocks (legal for TPU's (8, 128) rule), float32 dots at
+at least 16 wide (K and V are zero-padded to powers of two >= 16), blocks of
+one chunk's rows or full T, with full K and V on TPU (legal for its (8, 128)
+rule; only the recurrence kernels hold full-T blocks), float32 dots at
 HIGHEST precision (IEEE on Triton rather than TF32). GPU kernels lower through
 Triton (`pallas.triton.CompilerParams`): Mosaic GPU targets warpgroup-level
 Hopper kernels (64-row wgmma tiles, explicit shared-memory/TMA management) and
@@ -160,18 +167,18 @@ def _masked_exp(mask, x):
   return jnp.exp(jnp.where(mask, x, _NEG_INF))
 
 
-def _ref_blocks(ref, base, scale=None):
-  """The NB sub-blocks [SUB, X] of a [T, X] ref starting at row `base`."""
+def _ref_blocks(ref, scale=None):
+  """The NB sub-blocks [SUB, X] of a [CHUNK, X] ref."""
   out = []
   for i in range(NB):
-    x = ref[pl.ds(pl.multiple_of(base + i * SUB, SUB), SUB), :]
+    x = ref[pl.ds(i * SUB, SUB), :]
     out.append(x if scale is None else x * scale)
   return out
 
 
-def _store_blocks(ref, base, blocks):
+def _store_blocks(ref, blocks):
   for i, x in enumerate(blocks):
-    ref[pl.ds(pl.multiple_of(base + i * SUB, SUB), SUB), :] = x
+    ref[pl.ds(i * SUB, SUB), :] = x
 
 
 # ----------------------------------------------------------------------------
@@ -325,15 +332,13 @@ def _chunk_setup(q, k, v, g, beta, run, rst):
   return ch_partial._replace(aqk=aqk, akk=akk, P=P, X=X, bv=bv, w=w, u=u)
 
 
-def _load_chunk(refs, c, scale):
+def _chunk_from_refs(refs, scale):
+  """`_chunk_setup` of the one chunk that the (chunk-sized) refs hold."""
   q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref = refs
-  base = pl.multiple_of(c * CHUNK, CHUNK)
-  ch = _chunk_setup(
-      _ref_blocks(q_ref, base, scale), _ref_blocks(k_ref, base),
-      _ref_blocks(v_ref, base), _ref_blocks(g_ref, base),
-      _ref_blocks(beta_ref, base), _ref_blocks(run_ref, base),
-      _ref_blocks(rst_ref, base))
-  return base, ch
+  return _chunk_setup(
+      _ref_blocks(q_ref, scale), _ref_blocks(k_ref),
+      _ref_blocks(v_ref), _ref_blocks(g_ref), _ref_blocks(beta_ref),
+      _ref_blocks(run_ref), _ref_blocks(rst_ref))
 
 
 def _v_new(ch, S):
@@ -341,33 +346,105 @@ def _v_new(ch, S):
 
 
 # ----------------------------------------------------------------------------
-# Kernels.
+# Kernels. Chunk-parallel kernels run on grid (b, h, n) over chunks n and do
+# all intra-chunk work; the two recurrence kernels run on grid (b, h, j) over
+# V blocks j and only carry the state through the chunks (a few matmuls per
+# chunk), the split FLA's chunk_kda uses.
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref,
-                h0_ref, o_ref, fin_ref, *st_refs, scale, n_chunks):
-  """One (b, h): loops over chunks with the state as the loop value."""
-  refs = (q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref)
+def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref,
+                  w_ref, u_ref, qf_ref, ke_ref, dv_ref, aqk_ref, *, scale):
+  """Forward, chunk n: everything that does not depend on the state."""
+  ch = _chunk_from_refs(
+      (q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref), scale)
+  _store_blocks(w_ref, ch.w)
+  _store_blocks(u_ref, ch.u)
+  _store_blocks(qf_ref, [ch.q[i] * ch.F[i] for i in range(NB)])
+  _store_blocks(ke_ref, [ch.k[i] * ch.E[i] for i in range(NB)])
+  dv_ref[...] = ch.Dv
+  zero = jnp.zeros((SUB, SUB), _F32)
+  for i in range(NB):
+    for j in range(NB):
+      aqk_ref[i * NB + j] = ch.aqk[i, j] if j <= i else zero
 
-  def body(c, S):
-    base, ch = _load_chunk(refs, c, scale)
-    if st_refs:
-      st_refs[0][c] = S
-    vn = _v_new(ch, S)
-    o = []
-    for i in range(NB):
-      o_i = _mm(ch.q[i] * ch.F[i], S)
-      for j in range(i + 1):
-        o_i = o_i + _mm(ch.aqk[i, j], vn[j])
-      o.append(o_i)
-    _store_blocks(o_ref, base, o)
-    S = _row_to_col(ch.Dv) * S
-    for i in range(NB):
-      S = S + _mm_tn(ch.k[i] * ch.E[i], vn[i])
-    return S
 
-  fin_ref[...] = lax.fori_loop(0, n_chunks, body,
-                               h0_ref[...].astype(_F32))
+def _recur_kernel(w_ref, u_ref, ke_ref, dv_ref, h0_ref, vn_ref, sin_ref,
+                  fin_ref, *, n_chunks):
+  """Forward, V block j: S through the chunks; v_new and each chunk's S."""
+  def body(c, S):  # S [K,bv]
+    base = pl.multiple_of(c * CHUNK, CHUNK)
+    rows = pl.ds(base, CHUNK)
+    sin_ref[c] = S
+    vn = u_ref[rows, :] - _mm(w_ref[rows, :], S)
+    vn_ref[rows, :] = vn
+    return _row_to_col(dv_ref[c]) * S + _mm_tn(ke_ref[rows, :], vn)
+
+  fin_ref[...] = lax.fori_loop(0, n_chunks, body, h0_ref[...].astype(_F32))
+
+
+def _out_kernel(qf_ref, sin_ref, aqk_ref, vn_ref, o_ref):
+  """Forward, chunk n: o = (q F) S + Aqk v_new."""
+  S = sin_ref[...]
+  vn = _ref_blocks(vn_ref)
+  qf = _ref_blocks(qf_ref)
+  o = []
+  for i in range(NB):
+    o_i = _mm(qf[i], S)
+    for j in range(i + 1):
+      o_i = o_i + _mm(aqk_ref[i * NB + j], vn[j])
+    o.append(o_i)
+  _store_blocks(o_ref, o)
+
+
+def _out_bwd_kernel(qf_ref, aqk_ref, do_ref, ado_ref, qdo_ref):
+  """Backward, chunk n: the state-free parts Aqk^T do and (q F)^T do."""
+  do = _ref_blocks(do_ref)
+  qf = _ref_blocks(qf_ref)
+  ado = []
+  for j in range(NB):
+    x = _mm_tn(aqk_ref[j * NB + j], do[j])
+    for i in range(j + 1, NB):
+      x = x + _mm_tn(aqk_ref[i * NB + j], do[i])
+    ado.append(x)
+  _store_blocks(ado_ref, ado)
+  qdo = _mm_tn(qf[0], do[0])
+  for i in range(1, NB):
+    qdo = qdo + _mm_tn(qf[i], do[i])
+  qdo_ref[...] = qdo
+
+
+def _recur_bwd_kernel(ado_ref, qdo_ref, w_ref, ke_ref, dv_ref, dfin_ref,
+                      dsa_ref, dh0_ref, *, n_chunks):
+  """Backward, V block j: dS through the chunks in reverse; each chunk's
+  dS after it. dv_new = Aqk^T do + (k E) dS',
+  dS = Dv dS' + (q F)^T do - w^T dv_new."""
+  def body(t, dS):
+    c = n_chunks - 1 - t
+    base = pl.multiple_of(c * CHUNK, CHUNK)
+    rows = pl.ds(base, CHUNK)
+    dsa_ref[c] = dS
+    dvn = ado_ref[rows, :] + _mm(ke_ref[rows, :], dS)
+    return (_row_to_col(dv_ref[c]) * dS + qdo_ref[c]
+            - _mm_tn(w_ref[rows, :], dvn))
+
+  dh0_ref[...] = lax.fori_loop(0, n_chunks, body,
+                               dfin_ref[...].astype(_F32))
+
+
+def _chunk_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref,
+                      sin_ref, dsa_ref, do_ref, dq_ref, dk_ref, dv_ref,
+                      dg_ref, dbeta_ref, *, scale):
+  """Backward, chunk n: every per-token gradient, given the chunk's S and
+  the dS after it (`_bwd_chunk`; its dS before the chunk is not needed)."""
+  ch = _chunk_from_refs(
+      (q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref), scale)
+  _, (dq, dk, dv, dg, dbeta) = _bwd_chunk(ch, sin_ref[...], dsa_ref[...],
+                                          _ref_blocks(do_ref))
+  _store_blocks(dq_ref, [x * scale for x in dq])
+  _store_blocks(dk_ref, dk)
+  _store_blocks(dv_ref, dv)
+  _store_blocks(dg_ref, dg)
+  _store_blocks(dbeta_ref, dbeta)
 
 
 def _bwd_chunk(ch, S, dS, do):
@@ -532,29 +609,6 @@ def _bwd_chunk(ch, S, dS, do):
   return dS_prev, (dq, dk, dv, dg, dbeta)
 
 
-def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref,
-                st_ref, do_ref, dfin_ref, dq_ref, dk_ref, dv_ref, dg_ref,
-                dbeta_ref, dh0_ref, *, scale, n_chunks):
-  """One (b, h): chunks in reverse, dS as the loop value."""
-  refs = (q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref)
-
-  def body(t, dS):
-    c = n_chunks - 1 - t
-    base, ch = _load_chunk(refs, c, scale)
-    S = st_ref[c]
-    dS, (dq, dk, dv, dg, dbeta) = _bwd_chunk(ch, S, dS,
-                                             _ref_blocks(do_ref, base))
-    _store_blocks(dq_ref, base, [x * scale for x in dq])
-    _store_blocks(dk_ref, base, dk)
-    _store_blocks(dv_ref, base, dv)
-    _store_blocks(dg_ref, base, dg)
-    _store_blocks(dbeta_ref, base, dbeta)
-    return dS
-
-  dh0_ref[...] = lax.fori_loop(0, n_chunks, body,
-                               dfin_ref[...].astype(_F32))
-
-
 # ----------------------------------------------------------------------------
 # pallas_call wrappers.
 
@@ -593,30 +647,28 @@ def read_options():
                          "one of 1, 2, 4, 8, 16"))
 
 
-# Grid (b, h, j): j is the block of V columns a program owns. The state
-# columns are independent given q, k, g, beta (S[:, j] depends only on v[:, j]
-# and h0[:, j]), so a V block runs the same kernel on its columns; the
-# gradients of the shared inputs (q, k, g, beta) are per-block partial sums,
-# added up outside the kernel.
+def _tok(x):
+  """Chunk n's rows of a [B, H, Tp, x] array (grid (b, h, n))."""
+  return pl.BlockSpec((None, None, CHUNK, x), lambda b, h, n: (b, h, n, 0))
 
 
-def _spec(*block, v_axis=None):
-  """Per-(b, h) block of a [B, H, *block] array; `v_axis` (an index into
-  `block`) follows the program's V block j."""
+def _per_chunk(*block):
+  """Chunk n's entry of a [B, H, N, *block] array (grid (b, h, n))."""
+  return pl.BlockSpec((None, None, None) + block,
+                      lambda b, h, n: (b, h, n) + (0,) * len(block))
+
+
+def _seg_tok():
+  """Chunk n's rows of a [B, Tp, 1] array (shared by the heads)."""
+  return pl.BlockSpec((None, CHUNK, 1), lambda b, h, n: (b, n, 0))
+
+
+def _vspec(*block, v_axis):
+  """All of a [B, H, *block] array but V block j along `v_axis` (an index
+  into `block`), for the recurrence kernels (grid (b, h, j))."""
   def index(b, h, j):
     return (b, h) + tuple(j if a == v_axis else 0 for a in range(len(block)))
   return pl.BlockSpec((None, None) + block, index)
-
-
-def _partial_spec(*block):
-  """Per-(b, h, j) block of a [B, H, NV, *block] array of partial sums."""
-  return pl.BlockSpec((None, None, None) + block,
-                      lambda b, h, j: (b, h, j) + (0,) * len(block))
-
-
-def _seg_spec(tp):
-  """Per-b block of a [B, Tp, 1] array (shared by the heads)."""
-  return pl.BlockSpec((None, tp, 1), lambda b, h, j: (b, 0, 0))
 
 
 def _vmem_bytes(specs_and_shapes):
@@ -628,40 +680,40 @@ def _vmem_bytes(specs_and_shapes):
   return 2 * total + (16 << 20)
 
 
-def _call(build, dims, cfg):
+def _call(kernel, args, in_specs, out_specs, out_shape, grid, options, *,
+          v_dim=None):
   """Runs a pallas_call in interpret mode, or per platform: Mosaic on TPU,
   Triton on GPU (`lax.platform_dependent` lowers only the matching branch).
 
-  `build(bv)` returns (kernel, args, in_specs, out_specs, out_shape, finish)
-  for V blocks of bv columns; `finish` turns the raw outputs into the
-  result. TPU keeps the whole V in one program (its blocks' last dim must be
-  a multiple of 128 or full); GPU and interpret mode use `v_block`.
-  `dims` is (B, H, Vp).
+  With `v_dim` (the recurrence kernels), `in_specs`, `out_specs` and `grid`
+  are functions of the V block size bv: TPU keeps the whole V in one program
+  (its blocks' last dim must be a multiple of 128 or full), GPU and interpret
+  mode use `options.v_block`.
   """
-  B, H, Vp = dims
-
-  def run(bv, platform):
-    kernel, args, in_specs, out_specs, out_shape, finish = build(bv)
+  def run(platform):
+    bv = None
+    if v_dim is not None:
+      bv = v_dim if platform == "tpu" else min(options.v_block, v_dim)
+    resolve = lambda x: x(bv) if v_dim is not None else x
+    ins, outs = resolve(in_specs), resolve(out_specs)
     params = None
     if platform == "tpu":
       params = pltpu.CompilerParams(
           dimension_semantics=("parallel",) * 3,
           vmem_limit_bytes=min(_vmem_bytes(
-              [s.block_shape for s in list(in_specs) + list(out_specs)]),
-                               100 << 20))
+              [s.block_shape for s in list(ins) + list(outs)]), 100 << 20))
     elif platform == "gpu":
-      params = pltriton.CompilerParams(num_warps=cfg.options.num_warps,
+      params = pltriton.CompilerParams(num_warps=options.num_warps,
                                        num_stages=1)
-    return finish(pl.pallas_call(
-        kernel, grid=(B, H, Vp // bv), in_specs=in_specs,
-        out_specs=out_specs, out_shape=out_shape, compiler_params=params,
-        interpret=platform == "interpret")(*args))
+    return pl.pallas_call(
+        kernel, grid=resolve(grid), in_specs=ins, out_specs=outs,
+        out_shape=out_shape, compiler_params=params,
+        interpret=platform == "interpret")(*args)
 
-  split = min(cfg.options.v_block, Vp)
-  if cfg.options.interpret:
-    return run(split, "interpret")
-  return lax.platform_dependent(
-      tpu=lambda: run(Vp, "tpu"), default=lambda: run(split, "gpu"))
+  if options.interpret:
+    return run("interpret")
+  return lax.platform_dependent(tpu=lambda: run("tpu"),
+                                default=lambda: run("gpu"))
 
 
 class _Config(NamedTuple):
@@ -669,82 +721,90 @@ class _Config(NamedTuple):
   options: Options
 
 
-def _fwd_call(cfg, q, k, v, g, beta, h0, run, rst, *, save_states):
+def _shape(*dims):
+  return jax.ShapeDtypeStruct(dims, _F32)
+
+
+def _forward(cfg, q, k, v, g, beta, h0, run, rst):
+  """The three forward kernels. Returns o, final and the residuals."""
   B, H, Tp, K = q.shape
-  Vp = v.shape[-1]
-  n_chunks = Tp // CHUNK
+  V = v.shape[-1]
+  N = Tp // CHUNK
+  opts = cfg.options
+  tok_in = [_tok(K), _tok(K), _tok(V), _tok(K), _tok(1), _seg_tok(),
+            _seg_tok()]
+  w, u, qf, ke, dv, aqk = _call(
+      functools.partial(_intra_kernel, scale=cfg.scale),
+      (q, k, v, g, beta, run, rst), tok_in,
+      [_tok(K), _tok(V), _tok(K), _tok(K), _per_chunk(1, K),
+       _per_chunk(NB * NB, SUB, SUB)],
+      [_shape(B, H, Tp, K), _shape(B, H, Tp, V), _shape(B, H, Tp, K),
+       _shape(B, H, Tp, K), _shape(B, H, N, 1, K),
+       _shape(B, H, N, NB * NB, SUB, SUB)], (B, H, N), opts)
+  vn, s_in, final = _call(
+      functools.partial(_recur_kernel, n_chunks=N), (w, u, ke, dv, h0),
+      lambda bv: [_vspec(Tp, K, v_axis=None), _vspec(Tp, bv, v_axis=1),
+                  _vspec(Tp, K, v_axis=None), _vspec(N, 1, K, v_axis=None),
+                  _vspec(K, bv, v_axis=1)],
+      lambda bv: [_vspec(Tp, bv, v_axis=1), _vspec(N, K, bv, v_axis=2),
+                  _vspec(K, bv, v_axis=1)],
+      [_shape(B, H, Tp, V), _shape(B, H, N, K, V), _shape(B, H, K, V)],
+      lambda bv: (B, H, V // bv), opts, v_dim=V)
+  o, = _call(_out_kernel, (qf, s_in, aqk, vn),
+             [_tok(K), _per_chunk(K, V), _per_chunk(NB * NB, SUB, SUB),
+              _tok(V)], [_tok(V)], [_shape(B, H, Tp, V)], (B, H, N), opts)
+  return o, final, (w, ke, qf, dv, aqk, s_in)
 
-  def build(bv):
-    kernel = functools.partial(_fwd_kernel, scale=cfg.scale,
-                               n_chunks=n_chunks)
-    in_specs = [_spec(Tp, K), _spec(Tp, K), _spec(Tp, bv, v_axis=1),
-                _spec(Tp, K), _spec(Tp, 1), _seg_spec(Tp), _seg_spec(Tp),
-                _spec(K, bv, v_axis=1)]
-    out_shape = [jax.ShapeDtypeStruct((B, H, Tp, Vp), _F32),
-                 jax.ShapeDtypeStruct((B, H, K, Vp), _F32)]
-    out_specs = [_spec(Tp, bv, v_axis=1), _spec(K, bv, v_axis=1)]
-    if save_states:
-      out_shape.append(jax.ShapeDtypeStruct((B, H, n_chunks, K, Vp), _F32))
-      out_specs.append(_spec(n_chunks, K, bv, v_axis=2))
-    finish = lambda outs: tuple(outs) + ((None,) if not save_states else ())
-    return (kernel, (q, k, v, g, beta, run, rst, h0), in_specs, out_specs,
-            out_shape, finish)
 
-  return _call(build, (B, H, Vp), cfg)
-
-
-def _bwd_call(cfg, q, k, v, g, beta, run, rst, states, do, dfin):
+def _backward(cfg, q, k, v, g, beta, run, rst, saved, do, dfin):
+  """The three backward kernels: dq, dk, dv, dg, dbeta, dh0."""
   B, H, Tp, K = q.shape
-  Vp = v.shape[-1]
-  n_chunks = Tp // CHUNK
-
-  def build(bv):
-    nv = Vp // bv
-    kernel = functools.partial(_bwd_kernel, scale=cfg.scale,
-                               n_chunks=n_chunks)
-    in_specs = [_spec(Tp, K), _spec(Tp, K), _spec(Tp, bv, v_axis=1),
-                _spec(Tp, K), _spec(Tp, 1), _seg_spec(Tp), _seg_spec(Tp),
-                _spec(n_chunks, K, bv, v_axis=2), _spec(Tp, bv, v_axis=1),
-                _spec(K, bv, v_axis=1)]
-    # dq, dk, dg, dbeta: one partial sum per V block; dv, dh0: V blocks.
-    shapes = [(nv, Tp, K), (nv, Tp, K), (Tp, Vp), (nv, Tp, K), (nv, Tp, 1),
-              (K, Vp)]
-    out_shape = [jax.ShapeDtypeStruct((B, H) + s, _F32) for s in shapes]
-    out_specs = [_partial_spec(Tp, K), _partial_spec(Tp, K),
-                 _spec(Tp, bv, v_axis=1), _partial_spec(Tp, K),
-                 _partial_spec(Tp, 1), _spec(K, bv, v_axis=1)]
-
-    def finish(outs):
-      dq, dk, dv, dg, dbeta, dh0 = outs
-      return (jnp.sum(dq, 2), jnp.sum(dk, 2), dv, jnp.sum(dg, 2),
-              jnp.sum(dbeta, 2), dh0)
-
-    return (kernel, (q, k, v, g, beta, run, rst, states, do, dfin),
-            in_specs, out_specs, out_shape, finish)
-
-  return _call(build, (B, H, Vp), cfg)
+  V = v.shape[-1]
+  N = Tp // CHUNK
+  opts = cfg.options
+  w, ke, qf, dv, aqk, s_in = saved
+  ado, qdo = _call(
+      _out_bwd_kernel, (qf, aqk, do),
+      [_tok(K), _per_chunk(NB * NB, SUB, SUB), _tok(V)],
+      [_tok(V), _per_chunk(K, V)],
+      [_shape(B, H, Tp, V), _shape(B, H, N, K, V)], (B, H, N), opts)
+  dsa, dh0 = _call(
+      functools.partial(_recur_bwd_kernel, n_chunks=N),
+      (ado, qdo, w, ke, dv, dfin),
+      lambda bv: [_vspec(Tp, bv, v_axis=1), _vspec(N, K, bv, v_axis=2),
+                  _vspec(Tp, K, v_axis=None), _vspec(Tp, K, v_axis=None),
+                  _vspec(N, 1, K, v_axis=None), _vspec(K, bv, v_axis=1)],
+      lambda bv: [_vspec(N, K, bv, v_axis=2), _vspec(K, bv, v_axis=1)],
+      [_shape(B, H, N, K, V), _shape(B, H, K, V)],
+      lambda bv: (B, H, V // bv), opts, v_dim=V)
+  tok_in = [_tok(K), _tok(K), _tok(V), _tok(K), _tok(1), _seg_tok(),
+            _seg_tok()]
+  dq, dk, dvv, dg, dbeta = _call(
+      functools.partial(_chunk_bwd_kernel, scale=cfg.scale),
+      (q, k, v, g, beta, run, rst, s_in, dsa, do),
+      tok_in + [_per_chunk(K, V), _per_chunk(K, V), _tok(V)],
+      [_tok(K), _tok(K), _tok(V), _tok(K), _tok(1)],
+      [_shape(B, H, Tp, K), _shape(B, H, Tp, K), _shape(B, H, Tp, V),
+       _shape(B, H, Tp, K), _shape(B, H, Tp, 1)], (B, H, N), opts)
+  return dq, dk, dvv, dg, dbeta, dh0
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _kda_kernels(q, k, v, g, beta, h0, run, rst, cfg):
-  o, final, _ = _fwd_call(cfg, q, k, v, g, beta, h0, run, rst,
-                          save_states=False)
+  o, final, _ = _forward(cfg, q, k, v, g, beta, h0, run, rst)
   return o, final
 
 
 def _kda_kernels_fwd(q, k, v, g, beta, h0, run, rst, cfg):
-  o, final, states = _fwd_call(cfg, q, k, v, g, beta, h0, run, rst,
-                               save_states=True)
-  return (o, final), (q, k, v, g, beta, run, rst, states)
+  o, final, saved = _forward(cfg, q, k, v, g, beta, h0, run, rst)
+  return (o, final), (q, k, v, g, beta, run, rst, saved)
 
 
 def _kda_kernels_bwd(cfg, res, cts):
-  q, k, v, g, beta, run, rst, states = res
+  q, k, v, g, beta, run, rst, saved = res
   do, dfin = cts
-  dq, dk, dv, dg, dbeta, dh0 = _bwd_call(cfg, q, k, v, g, beta, run, rst,
-                                         states, do, dfin)
-  return (dq, dk, dv, dg, dbeta, dh0, jnp.zeros_like(run),
-          jnp.zeros_like(rst))
+  grads = _backward(cfg, q, k, v, g, beta, run, rst, saved, do, dfin)
+  return grads + (jnp.zeros_like(run), jnp.zeros_like(rst))
 
 
 _kda_kernels.defvjp(_kda_kernels_fwd, _kda_kernels_bwd)
