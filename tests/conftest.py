@@ -4,4 +4,17 @@
 are in place before any test initialises a JAX backend.
 """
 
-import kda_lm  # noqa: F401  (side effect: XLA flags)
+import kda_lm  # noqa: F401  (side effect: XLA flags)  # isort: skip
+import jax
+import pytest
+
+
+@pytest.fixture(scope="module")
+def fast_compile():
+  """Skips most XLA optimizations for a test module (tiny shapes, where
+  compilation dominates); restores the setting afterwards. Use with
+  `pytestmark = pytest.mark.usefixtures("fast_compile")`."""
+  previous = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", previous)

@@ -37,12 +37,8 @@ TOKEN_FIELDS = ("q", "k", "v", "g", "beta")
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fast_compiles():
-  old = jax.config.values["jax_disable_most_optimizations"]
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", old)
+# Tiny shapes: compilation dominates (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def rel_err(a, b):

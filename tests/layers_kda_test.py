@@ -12,13 +12,8 @@ H, K, D = 2, 8, 16
 SEG = np.array([[1] * 7 + [2] * 2 + [0] * 2 + [3] * 9, [1] * 20], np.int32)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compile():
-  """Tiny shapes: compilation dominates, so skip most XLA optimizations."""
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", previous)
+# Tiny shapes: compilation dominates (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _transformed(**kwargs):

@@ -16,13 +16,8 @@ POS = np.array([[0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 0, 0],
                 list(range(12))], np.int32)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compile():
-  """Tiny shapes: compilation dominates, so skip most XLA optimizations."""
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", previous)
+# Tiny shapes: compilation dominates (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _transformed(**kwargs):

@@ -19,13 +19,8 @@ LENS = (3, 70, 40)   # < conv window; crosses the 64-token chunk boundary.
 STARTS = (0, 3, 73)  # then 15 padding tokens.
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compile():
-  """Tiny shapes: compilation dominates, so skip most XLA optimizations."""
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", previous)
+# Tiny shapes: compilation dominates (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def tiny_config(**overrides):

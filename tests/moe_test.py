@@ -16,12 +16,8 @@ D, E, K, F = 8, 8, 3, 4
 N_GROUP, TOPK_GROUP, SCALE = 4, 2, 2.5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compile():
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", previous)
+# Tiny shapes: compilation dominates (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _layer(**kwargs):

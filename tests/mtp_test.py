@@ -14,13 +14,8 @@ import pytest
 from kda_lm import model, training
 from kda_lm.layers import moe, mtp
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compile():
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", previous)
+# Tiny shapes: compilation dominates (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 # Documents A = 10 11 12 13 and B = 20 21 22 23 24 packed as
