@@ -13,7 +13,12 @@ import pytest
 def fast_compile():
   """Skips most XLA optimizations for a test module (tiny shapes, where
   compilation dominates); restores the setting afterwards. Use with
-  `pytestmark = pytest.mark.usefixtures("fast_compile")`."""
+  `pytestmark = pytest.mark.usefixtures("fast_compile")`.
+
+  The flag is read when compiling and is not part of jit's cache key, so a
+  function compiled here and called again by a later module in the same
+  process keeps its unoptimised executable: a speed effect only.
+  """
   previous = jax.config.read("jax_disable_most_optimizations")
   jax.config.update("jax_disable_most_optimizations", True)
   yield

@@ -28,7 +28,8 @@ def tiny_config(**overrides):
   m = ling3_tiny.model_config()
   m.update(dict(vocab_size=VOCAB, d_model=32, num_heads=2, head_dim=16,
                 kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                v_head_dim=16, mlp_hidden_dim=64, kda_impl="xla"))
+                v_head_dim=16, mlp_hidden_dim=64, moe_intermediate_size=32,
+                kda_impl="xla"))
   m.update(overrides)
   return m
 
@@ -153,21 +154,31 @@ def test_gradients_finite_and_reach_every_parameter():
     assert np.all(np.asarray(grads[module]["dt_bias"]) != 0)
 
 
-def test_bfloat16_compute():
-  cfg = tiny_config(compute_dtype="bfloat16")
-  m = model.build(cfg)
-  params, apply = _setup("ling")
+@pytest.mark.parametrize("ffn", ["dense", "moe"])
+def test_bfloat16_compute(ffn):
   tokens, seg = _packed_row(5)
+  if ffn == "moe":
+    params, apply = _setup("ling")
+    overrides = {}
+  else:
+    overrides = dict(num_experts=0)
+    params = jax.jit(model.build(tiny_config(**overrides)).init)(
+        jax.random.key(0), tokens, seg)
+    apply = jax.jit(model.build(tiny_config(**overrides)).apply)
+  m = model.build(tiny_config(compute_dtype="bfloat16", **overrides))
   ref = np.asarray(apply(params, tokens, seg))
   out = np.asarray(jax.jit(m.apply)(params, tokens, seg))
   assert out.dtype == np.float32 and np.all(np.isfinite(out))
   valid = seg[0] != 0
   err = np.abs(out[0, valid] - ref[0, valid]).max(-1) / np.abs(ref).max()
-  # bfloat16 activations can flip a near-tie top-k choice of the (float32)
-  # router, which changes that token's output by a whole expert; every other
-  # token stays within 10% of the float32 logits.
-  assert np.mean(err >= 0.1) <= 0.1, (np.mean(err >= 0.1), err)
-  assert np.median(err) < 0.02, np.median(err)
+  if ffn == "dense":
+    assert err.max() < 0.1, err.max()
+  else:
+    # bfloat16 activations can flip a near-tie top-k choice of the (float32)
+    # router, which changes that token's output by a whole expert (4.4% of
+    # the tokens here); the others stay within 10% of the float32 logits.
+    assert np.mean(err >= 0.1) <= 0.1, (np.mean(err >= 0.1), err)
+    assert np.median(err) < 0.02, np.median(err)
   init_params = jax.eval_shape(m.init, jax.random.key(0), tokens)
   assert {p.dtype for p in jax.tree.leaves(init_params)} == {
       np.dtype(np.float32)}

@@ -435,11 +435,11 @@ def _chunk_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref,
                       sin_ref, dsa_ref, do_ref, dq_ref, dk_ref, dv_ref,
                       dg_ref, dbeta_ref, *, scale):
   """Backward, chunk n: every per-token gradient, given the chunk's S and
-  the dS after it (`_bwd_chunk`; its dS before the chunk is not needed)."""
+  the dS after it (`_bwd_chunk`)."""
   ch = _chunk_from_refs(
       (q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref), scale)
-  _, (dq, dk, dv, dg, dbeta) = _bwd_chunk(ch, sin_ref[...], dsa_ref[...],
-                                          _ref_blocks(do_ref))
+  dq, dk, dv, dg, dbeta = _bwd_chunk(ch, sin_ref[...], dsa_ref[...],
+                                     _ref_blocks(do_ref))
   _store_blocks(dq_ref, [x * scale for x in dq])
   _store_blocks(dk_ref, dk)
   _store_blocks(dv_ref, dv)
@@ -448,7 +448,9 @@ def _chunk_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref,
 
 
 def _bwd_chunk(ch, S, dS, do):
-  """Gradients of one chunk. Returns (dS entering the chunk, per-row grads).
+  """Per-row gradients of one chunk, given the state S entering it and the
+  cotangent dS of the state leaving it (dS before the chunk is
+  `_recur_bwd_kernel`'s job). Returns (dq, dk, dv, dg, dbeta) sub-blocks.
 
   Notation: Gs = gate cumulated from max(chunk start, segment start), so
   every decay is exp of a difference of Gs (same segment), F = exp(Gs) on the
@@ -471,7 +473,7 @@ def _bwd_chunk(ch, S, dS, do):
   accurate gate gradients than the plain cumsum in float32).
   """
   vn = _v_new(ch, S)
-  # dv_new, dq (F part), dk (E part), dS.
+  # dv_new, dq (F part), dk (E part).
   dvn = []
   for i in range(NB):
     x = _mm(ch.k[i] * ch.E[i], dS)
@@ -481,10 +483,6 @@ def _bwd_chunk(ch, S, dS, do):
   dqF = [_mm_nt(do[i], S) for i in range(NB)]
   dkE = [_mm_nt(vn[i], dS) for i in range(NB)]
   dDv = _col_to_row(jnp.sum(S * dS, axis=1, keepdims=True))
-  dS_prev = _row_to_col(ch.Dv) * dS
-  for i in range(NB):
-    dS_prev = (dS_prev + _mm_tn(ch.q[i] * ch.F[i], do[i])
-               - _mm_tn(ch.w[i], dvn[i]))
   tri = _rows(SUB) >= _cols(SUB)
   daqk = {}
   for i in range(NB):
@@ -606,7 +604,7 @@ def _bwd_chunk(ch, S, dS, do):
     w_ex = jnp.where(ch.same[i, i] & strict, 1.0, 0.0).astype(_F32)
     dg.append(_mm_tn(ch.wf[i], row_side[i]) + _mm(w_ex, col_side[i])
               + diag[i][4] + bcast[i])
-  return dS_prev, (dq, dk, dv, dg, dbeta)
+  return dq, dk, dv, dg, dbeta
 
 
 # ----------------------------------------------------------------------------

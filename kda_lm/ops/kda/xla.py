@@ -78,40 +78,37 @@ def _local_frames(g, run, *, sub):
   return L, R, L[..., -1, :], same_b, reach_end
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def _pair_exponents(g_b, L):
   """[..., r, s, K]: G_r - G_s inside each sub-block (same-segment pairs).
 
   The exponent of the exact pairwise decay exp(G_r - G_s), s <= r. The
-  forward is the difference of the segment-local cumulative gates `L` (from
-  `_local_frames`, computed from `g_b`); the custom backward sends each
-  pair's cotangent straight to the gates it spans, `dg_t = sum_{r >= t > s}
-  d[r, s]`, and none through `L` (see `_local_frames` for why). Entries for
-  other pairs are finite and must be masked out by the caller, so their
+  primal is the difference of the segment-local cumulative gates `L` (from
+  `_local_frames`, computed from `g_b`); the custom JVP takes the tangent
+  from the gates each pair spans, `sum_{s < t <= r} dg_t`, and none through
+  `L`, so its transpose (reverse mode) sends each pair's cotangent straight
+  to exactly those gates (see `_local_frames` for why). Entries for other
+  pairs are finite and must be masked out by the caller, so their
   cotangents are zero.
 
   Args:
     g_b: [..., c, K] gates of each sub-block.
     L: [..., c, K] their segment-local cumulative sums.
   """
-  del g_b  # only its gradient path
+  del g_b  # only its derivative path
   return L[..., :, None, :] - L[..., None, :, :]
 
 
-def _pair_exponents_fwd(g_b, L):
-  return _pair_exponents(g_b, L), None
-
-
-def _pair_exponents_bwd(_, d):
-  sub = d.shape[-2]
-  after = jnp.triu(jnp.ones((sub, sub), jnp.float32), 1)   # [s, t]: s < t
-  upto = jnp.tril(jnp.ones((sub, sub), jnp.float32))       # [r, t]: t <= r
-  spans = jnp.einsum("...rsk,st->...rtk", d, after)        # sum over s < t
-  dg = jnp.einsum("...rtk,rt->...tk", spans, upto)
-  return dg, jnp.zeros(d.shape[:-3] + d.shape[-2:], d.dtype)
-
-
-_pair_exponents.defvjp(_pair_exponents_fwd, _pair_exponents_bwd)
+@_pair_exponents.defjvp
+def _pair_exponents_jvp(primals, tangents):
+  g_b, L = primals
+  dg, _ = tangents
+  sub = g_b.shape[-2]
+  r, s, t = (jnp.arange(sub)[:, None, None], jnp.arange(sub)[None, :, None],
+             jnp.arange(sub)[None, None, :])
+  span = ((s < t) & (t <= r)).astype(jnp.float32)            # [c,c,c]
+  return (_pair_exponents(g_b, L),
+          jnp.einsum("rst,...tk->...rsk", span, dg))
 
 
 def _decayed_products(xs, k, g, L, R, tot, same_b, reach_end, *, safe):
