@@ -191,6 +191,34 @@ def test_v_blocks_match_reference(monkeypatch):
     pallas.read_options()
 
 
+def test_tpu_style_recurrence_matches_reference(monkeypatch):
+  """KDA_LM_PALLAS_RECURRENCE=grid runs the recurrences as on TPU in
+  interpret mode: one chunk per step of an "arbitrary" grid axis, the state
+  in a scratch buffer (written at the first step, read back at the last).
+  Packed segments; padding gradients exactly 0 and finite with the NaN fill
+  on; results as the GPU-style loop's (which tests/kda_op_test.py and the
+  rest of this file check)."""
+  params, seg, loop, want = packed_results()
+  _, static, do, dht = make_inputs(0, 2, PACKED_T)
+  monkeypatch.setenv(pallas.RECURRENCE_ENV, "grid")
+
+  def loss(p):  # a fresh trace: the env var is read when tracing
+    o, s = chunk_kda(**p, segment_ids=seg, output_final_state=True,
+                     impl="pallas", **static)
+    return jnp.sum(o * do) + jnp.sum(s * dht), (o, s)
+
+  grads, (o, s) = jax.jit(jax.grad(loss, has_aux=True))(params)
+  grid = jax.tree.map(np.asarray, (o, s, grads))
+  _compare(params, grid, want)
+  _compare(params, grid, loop, fwd_tol=1e-6, grad_tol=1e-6)
+  pad = seg == 0
+  for n in TOKEN_FIELDS:
+    assert np.isfinite(grid[2][n]).all() and np.all(grid[2][n][pad] == 0), n
+  monkeypatch.setenv(pallas.RECURRENCE_ENV, "scan")
+  with pytest.raises(ValueError, match="KDA_LM_PALLAS_RECURRENCE"):
+    pallas.read_options()
+
+
 def test_vmap_over_rows_equals_batch():
   """RFC-0026's per-row vmap of a B=1 call == one call with B rows, bit for
   bit. Pre-activated gates: XLA's CPU code for the in-kernel gate / l2norm

@@ -19,10 +19,12 @@ recurrence walks the chunks in order. Forward:
                 diagonal blocks (rank-1 updates), matmuls for the others.
      w, u     = P (beta k exp(G)) [first segment rows], P (beta v);
      and q exp(G), k exp(G_last - G), Dv = exp(G_last) [no reset], Aqk.
-  2. `_recur_kernel`, grid (B, H, V/v_block): a `lax.fori_loop` over the
-     chunks carrying the program's columns of the [K,V] float32 state:
-     v_new = u - w S,  S' = Dv S + (k exp(G_last - G))^T v_new
-     [rows of the chunk's last segment]; saves each chunk's entering S.
+  2. `_recur_step` over the chunks in order (see `_recurrence`: a
+     `fori_loop` per (B, H, V block) program on GPU, an "arbitrary" grid
+     axis with the state in VMEM scratch on TPU), carrying the [K,V]
+     float32 state: v_new = u - w S,  S' = Dv S + (k exp(G_last - G))^T
+     v_new [rows of the chunk's last segment]; saves each chunk's entering
+     S.
   3. `_out_kernel`, grid (B, H, T/C): o = (q exp(G)) S + Aqk v_new.
 
 Segments: the kernels read a float32 run index per token (`run =
@@ -31,22 +33,22 @@ same-segment, first-segment and last-segment mask in-kernel. Padding tokens
 arrive with q, k, v, g, beta = 0 and are transparent.
 
 Backward: `_out_bwd_kernel` (per chunk: Aqk^T do and (q exp(G))^T do, the
-parts that do not depend on dS), `_recur_bwd_kernel` (per V block, chunks
-in reverse: dv_new = Aqk^T do + (k E) dS', dS = Dv dS' + (q F)^T do -
-w^T dv_new; saves each chunk's dS'), and `_chunk_bwd_kernel` (per chunk,
+parts that do not depend on dS), `_recur_bwd_step` (chunks in reverse:
+dv_new = Aqk^T do + (k E) dS', dS = Dv dS' + (q F)^T do - w^T dv_new;
+saves each chunk's dS'), and `_chunk_bwd_kernel` (per chunk,
 given its S and dS': dq, dk, dv, dg, dbeta, derived by hand in
 `_bwd_chunk`). `jax.custom_vjp` joins them; everything around the kernels
 (gates, l2norm, layout) is differentiated by JAX. The V blocks of the
 recurrences are independent columns of S, so results do not depend on
-`v_block` (bit for bit).
+`v_block` or the recurrence form (bit for bit).
 
 Lowering constraints honoured by the kernel source (checked by cross-lowering
 in tests/kda_pallas_test.py): no `cumsum`, no value slicing (Triton has no
 slice lowering: sub-blocks are loaded from refs, rows and columns extracted by
 masked reductions), every in-kernel array a power of two in size and every dot
 at least 16 wide (K and V are zero-padded to powers of two >= 16), blocks of
-one chunk's rows or full T, with full K and V on TPU (legal for its (8, 128)
-rule; only the recurrence kernels hold full-T blocks), float32 dots at
+one chunk's rows (or full T in the GPU recurrences), with full K and V on
+TPU (legal for its (8, 128) rule), float32 dots at
 HIGHEST precision (IEEE on Triton rather than TF32). GPU kernels lower through
 Triton (`pallas.triton.CompilerParams`): Mosaic GPU targets warpgroup-level
 Hopper kernels (64-row wgmma tiles, explicit shared-memory/TMA management) and
@@ -73,6 +75,7 @@ MAX_HEAD_DIM = 256         # K and V limit (state [K,V] f32 stays on chip)
 INTERPRET_ENV = "KDA_LM_PALLAS_INTERPRET"
 NUM_WARPS_ENV = "KDA_LM_PALLAS_NUM_WARPS"
 V_BLOCK_ENV = "KDA_LM_PALLAS_V_BLOCK"
+RECURRENCE_ENV = "KDA_LM_PALLAS_RECURRENCE"
 
 _F32 = jnp.float32
 _HI = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
@@ -368,18 +371,91 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref,
       aqk_ref[i * NB + j] = ch.aqk[i, j] if j <= i else zero
 
 
-def _recur_kernel(w_ref, u_ref, ke_ref, dv_ref, h0_ref, vn_ref, sin_ref,
-                  fin_ref, *, n_chunks):
-  """Forward, V block j: S through the chunks; v_new and each chunk's S."""
-  def body(c, S):  # S [K,bv]
-    base = pl.multiple_of(c * CHUNK, CHUNK)
-    rows = pl.ds(base, CHUNK)
-    sin_ref[c] = S
-    vn = u_ref[rows, :] - _mm(w_ref[rows, :], S)
-    vn_ref[rows, :] = vn
-    return _row_to_col(dv_ref[c]) * S + _mm_tn(ke_ref[rows, :], vn)
+# The two recurrences are written once as a per-chunk step on a view of
+# chunk c's data and run two ways: `_loop_kernel` (GPU, and interpret mode by
+# default) holds whole rows and loops over the chunks inside one program per
+# V block; `_grid_kernel` (TPU) gets one chunk per step of an "arbitrary"
+# grid axis and carries the state in a VMEM scratch buffer, so its on-chip
+# memory does not grow with T (Triton has no sequential grid axis).
 
-  fin_ref[...] = lax.fori_loop(0, n_chunks, body, h0_ref[...].astype(_F32))
+
+def _recur_step(x, S):
+  """Forward: S entering chunk c -> S leaving it; writes v_new and S."""
+  x.set("s_in", S)
+  vn = x.get("u") - _mm(x.get("w"), S)
+  x.set("vn", vn)
+  return _row_to_col(x.get("dv")) * S + _mm_tn(x.get("ke"), vn)
+
+
+def _recur_bwd_step(x, dS):
+  """Backward: dS leaving chunk c -> dS entering it; writes dS leaving.
+  dv_new = Aqk^T do + (k E) dS', dS = Dv dS' + (q F)^T do - w^T dv_new."""
+  x.set("dsa", dS)
+  dvn = x.get("ado") + _mm(x.get("ke"), dS)
+  return (_row_to_col(x.get("dv")) * dS + x.get("qdo")
+          - _mm_tn(x.get("w"), dvn))
+
+
+class _RowsView:
+  """Chunk c of whole-row refs: rows [c*C, (c+1)*C) or entry c."""
+
+  def __init__(self, refs, kinds, c):
+    self.refs, self.kinds = refs, kinds
+    self.rows = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
+    self.c = c
+
+  def _index(self, name):
+    return ((self.rows, slice(None)) if self.kinds[name].startswith("tok")
+            else self.c)
+
+  def get(self, name):
+    return self.refs[name][self._index(name)]
+
+  def set(self, name, value):
+    self.refs[name][self._index(name)] = value
+
+
+class _BlockView:
+  """Refs that already hold just chunk c's block."""
+
+  def __init__(self, refs):
+    self.refs = refs
+
+  def get(self, name):
+    return self.refs[name][...]
+
+  def set(self, name, value):
+    self.refs[name][...] = value
+
+
+def _loop_kernel(*refs, names, kinds, step, init, final, n_chunks, reverse):
+  """One V block: `step` over the chunks, the state as the loop value."""
+  refs = dict(zip(names, refs, strict=True))
+
+  def body(t, S):
+    c = n_chunks - 1 - t if reverse else t
+    return step(_RowsView(refs, kinds, c), S)
+
+  refs[final][...] = lax.fori_loop(0, n_chunks, body,
+                                   refs[init][...].astype(_F32))
+
+
+def _grid_kernel(*refs, names, step, init, final, n_chunks):
+  """One chunk per step of grid axis 2, the state in `scratch`."""
+  *refs, scratch = refs
+  refs = dict(zip(names, refs, strict=True))
+  n = pl.program_id(2)
+
+  @pl.when(n == 0)
+  def _():
+    scratch[...] = refs[init][...].astype(_F32)
+
+  S = step(_BlockView(refs), scratch[...])
+  scratch[...] = S
+
+  @pl.when(n == n_chunks - 1)
+  def _():
+    refs[final][...] = S
 
 
 def _out_kernel(qf_ref, sin_ref, aqk_ref, vn_ref, o_ref):
@@ -413,24 +489,6 @@ def _out_bwd_kernel(qf_ref, aqk_ref, do_ref, ado_ref, qdo_ref):
   qdo_ref[...] = qdo
 
 
-def _recur_bwd_kernel(ado_ref, qdo_ref, w_ref, ke_ref, dv_ref, dfin_ref,
-                      dsa_ref, dh0_ref, *, n_chunks):
-  """Backward, V block j: dS through the chunks in reverse; each chunk's
-  dS after it. dv_new = Aqk^T do + (k E) dS',
-  dS = Dv dS' + (q F)^T do - w^T dv_new."""
-  def body(t, dS):
-    c = n_chunks - 1 - t
-    base = pl.multiple_of(c * CHUNK, CHUNK)
-    rows = pl.ds(base, CHUNK)
-    dsa_ref[c] = dS
-    dvn = ado_ref[rows, :] + _mm(ke_ref[rows, :], dS)
-    return (_row_to_col(dv_ref[c]) * dS + qdo_ref[c]
-            - _mm_tn(w_ref[rows, :], dvn))
-
-  dh0_ref[...] = lax.fori_loop(0, n_chunks, body,
-                               dfin_ref[...].astype(_F32))
-
-
 def _chunk_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref,
                       sin_ref, dsa_ref, do_ref, dq_ref, dk_ref, dv_ref,
                       dg_ref, dbeta_ref, *, scale):
@@ -450,7 +508,7 @@ def _chunk_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref,
 def _bwd_chunk(ch, S, dS, do):
   """Per-row gradients of one chunk, given the state S entering it and the
   cotangent dS of the state leaving it (dS before the chunk is
-  `_recur_bwd_kernel`'s job). Returns (dq, dk, dv, dg, dbeta) sub-blocks.
+  `_recur_bwd_step`'s job). Returns (dq, dk, dv, dg, dbeta) sub-blocks.
 
   Notation: Gs = gate cumulated from max(chunk start, segment start), so
   every decay is exp of a difference of Gs (same segment), F = exp(Gs) on the
@@ -621,6 +679,8 @@ class Options(NamedTuple):
   v_block: int       # KDA_LM_PALLAS_V_BLOCK: V columns per program (GPU and
   #                    interpret mode; TPU always takes the whole V)
   num_warps: int     # KDA_LM_PALLAS_NUM_WARPS: Triton warps per program
+  recurrence: str    # KDA_LM_PALLAS_RECURRENCE: interpret mode runs the
+  #                    recurrences as on GPU ("loop", default) or TPU ("grid")
 
 
 def _env_int(name, default, ok, what):
@@ -628,6 +688,13 @@ def _env_int(name, default, ok, what):
   if not env.isdigit() or not ok(int(env)):
     raise ValueError(f"{name} must be {what}, got {env!r}.")
   return int(env)
+
+
+def _env_choice(name, choices):
+  env = os.environ.get(name, choices[0])
+  if env not in choices:
+    raise ValueError(f"{name} must be one of {choices}, got {env!r}.")
+  return env
 
 
 def read_options():
@@ -642,7 +709,8 @@ def read_options():
       interpret=interpret_mode(),
       v_block=_env_int(V_BLOCK_ENV, 64, pow2, "a power of two >= 16"),
       num_warps=_env_int(NUM_WARPS_ENV, 4, lambda n: n in (1, 2, 4, 8, 16),
-                         "one of 1, 2, 4, 8, 16"))
+                         "one of 1, 2, 4, 8, 16"),
+      recurrence=_env_choice(RECURRENCE_ENV, ("loop", "grid")))
 
 
 def _tok(x):
@@ -678,40 +746,108 @@ def _vmem_bytes(specs_and_shapes):
   return 2 * total + (16 << 20)
 
 
-def _call(kernel, args, in_specs, out_specs, out_shape, grid, options, *,
-          v_dim=None):
-  """Runs a pallas_call in interpret mode, or per platform: Mosaic on TPU,
-  Triton on GPU (`lax.platform_dependent` lowers only the matching branch).
+def _params(platform, options, specs, semantics=("parallel",) * 3):
+  if platform == "tpu":
+    return pltpu.CompilerParams(
+        dimension_semantics=semantics,
+        vmem_limit_bytes=min(_vmem_bytes([s.block_shape for s in specs]),
+                             100 << 20))
+  if platform == "gpu":
+    return pltriton.CompilerParams(num_warps=options.num_warps,
+                                   num_stages=1)
+  return None
 
-  With `v_dim` (the recurrence kernels), `in_specs`, `out_specs` and `grid`
-  are functions of the V block size bv: TPU keeps the whole V in one program
-  (its blocks' last dim must be a multiple of 128 or full), GPU and interpret
-  mode use `options.v_block`.
-  """
-  def run(platform):
-    bv = None
-    if v_dim is not None:
-      bv = v_dim if platform == "tpu" else min(options.v_block, v_dim)
-    resolve = lambda x: x(bv) if v_dim is not None else x
-    ins, outs = resolve(in_specs), resolve(out_specs)
-    params = None
-    if platform == "tpu":
-      params = pltpu.CompilerParams(
-          dimension_semantics=("parallel",) * 3,
-          vmem_limit_bytes=min(_vmem_bytes(
-              [s.block_shape for s in list(ins) + list(outs)]), 100 << 20))
-    elif platform == "gpu":
-      params = pltriton.CompilerParams(num_warps=options.num_warps,
-                                       num_stages=1)
-    return pl.pallas_call(
-        kernel, grid=resolve(grid), in_specs=ins, out_specs=outs,
-        out_shape=out_shape, compiler_params=params,
-        interpret=platform == "interpret")(*args)
 
+def _per_platform(run, options):
+  """run("interpret"), or run("tpu") / run("gpu") by the lowering platform
+  (`lax.platform_dependent` lowers only the matching branch)."""
   if options.interpret:
     return run("interpret")
   return lax.platform_dependent(tpu=lambda: run("tpu"),
                                 default=lambda: run("gpu"))
+
+
+def _call(kernel, args, in_specs, out_specs, out_shape, grid, options):
+  """A chunk-parallel pallas_call: Mosaic on TPU, Triton on GPU."""
+  def run(platform):
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, interpret=platform == "interpret",
+        compiler_params=_params(platform, options,
+                                list(in_specs) + list(out_specs)))(*args)
+
+  return _per_platform(run, options)
+
+
+# Array kinds of the recurrences: [B,H,Tp,K] ("tok_k") and [B,H,Tp,V]
+# ("tok_v") rows, [B,H,N,1,K] ("chunk_k") and [B,H,N,K,V] ("chunk_kv")
+# per-chunk entries, [B,H,K,V] ("head_kv") states.
+
+
+def _loop_spec(kind, dims, bv):
+  """Whole rows, V block j (grid (b, h, j))."""
+  Tp, N, K = dims
+  return {"tok_k": lambda: _vspec(Tp, K, v_axis=None),
+          "tok_v": lambda: _vspec(Tp, bv, v_axis=1),
+          "chunk_k": lambda: _vspec(N, 1, K, v_axis=None),
+          "chunk_kv": lambda: _vspec(N, K, bv, v_axis=2),
+          "head_kv": lambda: _vspec(K, bv, v_axis=1)}[kind]()
+
+
+def _grid_spec(kind, dims, V, reverse):
+  """Chunk c = n (or N-1-n) of grid (b, h, n), whole V."""
+  Tp, N, K = dims
+  c = (lambda n: N - 1 - n) if reverse else (lambda n: n)
+  blocks = {"tok_k": ((CHUNK, K), lambda n: (c(n), 0)),
+            "tok_v": ((CHUNK, V), lambda n: (c(n), 0)),
+            "chunk_k": ((None, 1, K), lambda n: (c(n), 0, 0)),
+            "chunk_kv": ((None, K, V), lambda n: (c(n), 0, 0)),
+            "head_kv": ((K, V), lambda n: (0, 0))}
+  block, index = blocks[kind]
+  return pl.BlockSpec((None, None) + block,
+                      lambda b, h, n: (b, h) + index(n))
+
+
+def _recurrence(step, args, names, kinds, init, final, options, *, reverse):
+  """Runs a recurrence step over all chunks: `_grid_kernel` on TPU (and in
+  interpret mode with KDA_LM_PALLAS_RECURRENCE=grid), else `_loop_kernel`
+  over V blocks of `options.v_block` columns."""
+  B, H, Tp, K = args[names.index("w")].shape
+  V = args[names.index(init)].shape[-1]
+  N = Tp // CHUNK
+  dims = (Tp, N, K)
+  outs = [n for n in kinds if n not in names]
+  shapes = {"tok_v": (B, H, Tp, V), "chunk_kv": (B, H, N, K, V),
+            "head_kv": (B, H, K, V)}
+  out_shape = [_shape(*shapes[kinds[n]]) for n in outs]
+  all_names = tuple(names) + tuple(outs)
+
+  def run(platform):
+    if platform == "tpu" or (platform == "interpret"
+                             and options.recurrence == "grid"):
+      ins = [_grid_spec(kinds[n], dims, V, reverse) for n in names]
+      out_specs = [_grid_spec(kinds[n], dims, V, reverse) for n in outs]
+      kernel = functools.partial(_grid_kernel, names=all_names, step=step,
+                                 init=init, final=final, n_chunks=N)
+      return pl.pallas_call(
+          kernel, grid=(B, H, N), in_specs=ins, out_specs=out_specs,
+          out_shape=out_shape, interpret=platform == "interpret",
+          scratch_shapes=[pltpu.VMEM((K, V), _F32)],
+          compiler_params=_params(platform, options, ins + out_specs,
+                                  ("parallel", "parallel", "arbitrary")),
+      )(*args)
+    bv = min(options.v_block, V)
+    ins = [_loop_spec(kinds[n], dims, bv) for n in names]
+    out_specs = [_loop_spec(kinds[n], dims, bv) for n in outs]
+    kernel = functools.partial(_loop_kernel, names=all_names, kinds=kinds,
+                               step=step, init=init, final=final,
+                               n_chunks=N, reverse=reverse)
+    return pl.pallas_call(
+        kernel, grid=(B, H, V // bv), in_specs=ins, out_specs=out_specs,
+        out_shape=out_shape, interpret=platform == "interpret",
+        compiler_params=_params(platform, options, ins + out_specs))(*args)
+
+  return _per_platform(run, options)
 
 
 class _Config(NamedTuple):
@@ -739,15 +875,11 @@ def _forward(cfg, q, k, v, g, beta, h0, run, rst):
       [_shape(B, H, Tp, K), _shape(B, H, Tp, V), _shape(B, H, Tp, K),
        _shape(B, H, Tp, K), _shape(B, H, N, 1, K),
        _shape(B, H, N, NB * NB, SUB, SUB)], (B, H, N), opts)
-  vn, s_in, final = _call(
-      functools.partial(_recur_kernel, n_chunks=N), (w, u, ke, dv, h0),
-      lambda bv: [_vspec(Tp, K, v_axis=None), _vspec(Tp, bv, v_axis=1),
-                  _vspec(Tp, K, v_axis=None), _vspec(N, 1, K, v_axis=None),
-                  _vspec(K, bv, v_axis=1)],
-      lambda bv: [_vspec(Tp, bv, v_axis=1), _vspec(N, K, bv, v_axis=2),
-                  _vspec(K, bv, v_axis=1)],
-      [_shape(B, H, Tp, V), _shape(B, H, N, K, V), _shape(B, H, K, V)],
-      lambda bv: (B, H, V // bv), opts, v_dim=V)
+  vn, s_in, final = _recurrence(
+      _recur_step, (w, u, ke, dv, h0), ("w", "u", "ke", "dv", "h0"),
+      {"w": "tok_k", "u": "tok_v", "ke": "tok_k", "dv": "chunk_k",
+       "h0": "head_kv", "vn": "tok_v", "s_in": "chunk_kv",
+       "fin": "head_kv"}, "h0", "fin", opts, reverse=False)
   o, = _call(_out_kernel, (qf, s_in, aqk, vn),
              [_tok(K), _per_chunk(K, V), _per_chunk(NB * NB, SUB, SUB),
               _tok(V)], [_tok(V)], [_shape(B, H, Tp, V)], (B, H, N), opts)
@@ -766,15 +898,12 @@ def _backward(cfg, q, k, v, g, beta, run, rst, saved, do, dfin):
       [_tok(K), _per_chunk(NB * NB, SUB, SUB), _tok(V)],
       [_tok(V), _per_chunk(K, V)],
       [_shape(B, H, Tp, V), _shape(B, H, N, K, V)], (B, H, N), opts)
-  dsa, dh0 = _call(
-      functools.partial(_recur_bwd_kernel, n_chunks=N),
-      (ado, qdo, w, ke, dv, dfin),
-      lambda bv: [_vspec(Tp, bv, v_axis=1), _vspec(N, K, bv, v_axis=2),
-                  _vspec(Tp, K, v_axis=None), _vspec(Tp, K, v_axis=None),
-                  _vspec(N, 1, K, v_axis=None), _vspec(K, bv, v_axis=1)],
-      lambda bv: [_vspec(N, K, bv, v_axis=2), _vspec(K, bv, v_axis=1)],
-      [_shape(B, H, N, K, V), _shape(B, H, K, V)],
-      lambda bv: (B, H, V // bv), opts, v_dim=V)
+  dsa, dh0 = _recurrence(
+      _recur_bwd_step, (ado, qdo, w, ke, dv, dfin),
+      ("ado", "qdo", "w", "ke", "dv", "dfin"),
+      {"ado": "tok_v", "qdo": "chunk_kv", "w": "tok_k", "ke": "tok_k",
+       "dv": "chunk_k", "dfin": "head_kv", "dsa": "chunk_kv",
+       "dh0": "head_kv"}, "dfin", "dh0", opts, reverse=True)
   tok_in = [_tok(K), _tok(K), _tok(V), _tok(K), _tok(1), _seg_tok(),
             _seg_tok()]
   dq, dk, dvv, dg, dbeta = _call(
