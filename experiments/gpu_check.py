@@ -28,9 +28,10 @@ Usage:
   python -m experiments.gpu_check --num_warps=4,8       # sweep Triton warps
   python -m experiments.gpu_check --v_blocks=32,64,128  # sweep V blocks
 
-Pallas runs once per (num_warps, v_block): `--v_blocks` sets
-KDA_LM_PALLAS_V_BLOCK, the state columns each program owns (grid
-(B, H, V / v_block); 128 = one program per (b, h)).
+Pallas runs once per (num_warps, v_block, precision): `--v_blocks` sets
+KDA_LM_PALLAS_V_BLOCK, the state columns each recurrence program owns
+(128 = one program per (b, h)); `--precisions` sets KDA_LM_PALLAS_PRECISION
+("highest" = IEEE float32 dots, "default" = TF32 tensor cores).
 """
 
 import os
@@ -56,8 +57,11 @@ _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs after a warm-up.")
 _IMPLS = flags.DEFINE_list("impls", ["pallas", "xla"], "Implementations.")
 _WARPS = flags.DEFINE_list("num_warps", [], "Triton num_warps values to "
                            "sweep for pallas (default: the module's).")
-_VBLOCKS = flags.DEFINE_list("v_blocks", ["64", "128"], "V columns per "
-                             "program to sweep for pallas.")
+_VBLOCKS = flags.DEFINE_list("v_blocks", ["64"], "V columns per program "
+                             "to sweep for pallas.")
+_PRECISIONS = flags.DEFINE_list("precisions", ["highest", "default"],
+                                "In-kernel dot precisions to sweep for pallas "
+                                "(KDA_LM_PALLAS_PRECISION).")
 
 CHUNK = 64
 FLA_FWD_MS_H100 = 0.93
@@ -173,16 +177,18 @@ def main(argv):
   variants = [(impl, None) for impl in _IMPLS.value if impl != "pallas"]
   if "pallas" in _IMPLS.value:
     warps = _WARPS.value or [os.environ.get(pallas.NUM_WARPS_ENV, "4")]
-    variants = [("pallas", (w, vb)) for w in warps
-                for vb in _VBLOCKS.value] + variants
+    variants = [("pallas", (w, vb, pr)) for w in warps
+                for vb in _VBLOCKS.value for pr in _PRECISIONS.value
+                ] + variants
   rows, outs, ms = [], {}, {}
   for impl, setting in variants:
     label = impl
     if setting is not None:  # read when tracing: a new setting retraces
-      warps, v_block = setting
+      warps, v_block, precision = setting
       os.environ[pallas.NUM_WARPS_ENV] = str(warps)
       os.environ[pallas.V_BLOCK_ENV] = str(v_block)
-      label = f"{impl} (warps {warps}, V block {v_block})"
+      os.environ[pallas.PRECISION_ENV] = precision
+      label = f"{impl} (warps {warps}, V block {v_block}, {precision})"
     for seg_name, seg in (("none", ones), (f"{_DOCS.value} docs", segmented)):
       for backward in (False, True):
         fn = build(impl, backward)

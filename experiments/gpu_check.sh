@@ -5,8 +5,8 @@
 #   1. compiled correctness smoke (KDA_LM_PALLAS_INTERPRET=0): pallas vs the
 #      reference, packed segments, padding exactly 0, K=V=64        (<= 150 s)
 #   2. benchmark: B=1, T=8192, H=16, K=V=128 bf16, segment_ids all ones and
-#      8 documents per row, pallas vs xla, fwd and fwd+bwd, TFLOP/s and GB/s
-#      (experiments/gpu_check.py)                                   (<= 240 s)
+#      8 documents per row, pallas (IEEE and TF32 dots) vs xla, fwd and
+#      fwd+bwd, TFLOP/s and GB/s (experiments/gpu_check.py)         (<= 240 s)
 #   3. the rest of tests/kda_pallas_test.py, compiled               (<= 150 s)
 #
 # Logs go to $OUT (the device tool's folder) or /tmp/kda_gpu_check.

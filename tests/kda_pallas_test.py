@@ -369,3 +369,23 @@ def test_cross_lowering(platform, mode, monkeypatch):
     recur = 1 if mode == "forward" else 2
     assert sorted(grids) == sorted([("1", "16", "128")] * (want - recur)
                                    + [("1", "16", "2")] * recur), grids
+
+
+def test_precision_switch_reaches_the_kernels(monkeypatch):
+  """KDA_LM_PALLAS_PRECISION=default changes the compiled Triton kernels
+  (TF32 dots on GPU); HIGHEST (IEEE float32) is the default."""
+  monkeypatch.setenv(pallas.INTERPRET_ENV, "0")
+  params, seg = _abstract_args()
+  texts = {}
+  for precision in ("highest", "default"):
+    monkeypatch.setenv(pallas.PRECISION_ENV, precision)
+    fn = lambda p, s: _model_call(p, s)  # a fresh trace: env read there
+    texts[precision] = jax.jit(fn).trace(params, seg).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert texts[precision].count(TARGETS["cuda"]) == 3
+  assert texts["highest"] != texts["default"]
+  monkeypatch.delenv(pallas.PRECISION_ENV)
+  assert pallas.read_options().precision == "highest"
+  monkeypatch.setenv(pallas.PRECISION_ENV, "tf32")
+  with pytest.raises(ValueError, match="KDA_LM_PALLAS_PRECISION"):
+    pallas.read_options()

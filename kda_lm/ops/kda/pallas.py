@@ -48,8 +48,9 @@ slice lowering: sub-blocks are loaded from refs, rows and columns extracted by
 masked reductions), every in-kernel array a power of two in size and every dot
 at least 16 wide (K and V are zero-padded to powers of two >= 16), blocks of
 one chunk's rows (or full T in the GPU recurrences), with full K and V on
-TPU (legal for its (8, 128) rule), float32 dots at
-HIGHEST precision (IEEE on Triton rather than TF32). GPU kernels lower through
+TPU (legal for its (8, 128) rule), float32 dots at HIGHEST precision (IEEE
+on Triton rather than TF32; `KDA_LM_PALLAS_PRECISION=default` switches to
+the backend's fast float32). GPU kernels lower through
 Triton (`pallas.triton.CompilerParams`): Mosaic GPU targets warpgroup-level
 Hopper kernels (64-row wgmma tiles, explicit shared-memory/TMA management) and
 cannot take this generic block-level code with 16x16 solves; Triton lowers it
@@ -76,9 +77,14 @@ INTERPRET_ENV = "KDA_LM_PALLAS_INTERPRET"
 NUM_WARPS_ENV = "KDA_LM_PALLAS_NUM_WARPS"
 V_BLOCK_ENV = "KDA_LM_PALLAS_V_BLOCK"
 RECURRENCE_ENV = "KDA_LM_PALLAS_RECURRENCE"
+PRECISION_ENV = "KDA_LM_PALLAS_PRECISION"
 
 _F32 = jnp.float32
-_HI = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+# Precision of every in-kernel dot, set while the kernels are traced (see
+# `Options.precision`): HIGHEST is IEEE float32 on Triton and TPU.
+_PRECISIONS = {"highest": lax.Precision.HIGHEST,
+               "default": lax.Precision.DEFAULT}
+_dot_precision = [lax.Precision.HIGHEST]
 _NEG_INF = -float("inf")
 
 
@@ -115,19 +121,22 @@ def unsupported_reason(K, V, chunk_size):
 
 def _mm(a, b):
   """a @ b in float32."""
-  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_HI,
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())),
+                         precision=(_dot_precision[0],) * 2,
                          preferred_element_type=_F32)
 
 
 def _mm_nt(a, b):
   """a @ b.T in float32."""
-  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HI,
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                         precision=(_dot_precision[0],) * 2,
                          preferred_element_type=_F32)
 
 
 def _mm_tn(a, b):
   """a.T @ b in float32."""
-  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_HI,
+  return lax.dot_general(a, b, (((0,), (0,)), ((), ())),
+                         precision=(_dot_precision[0],) * 2,
                          preferred_element_type=_F32)
 
 
@@ -681,6 +690,9 @@ class Options(NamedTuple):
   num_warps: int     # KDA_LM_PALLAS_NUM_WARPS: Triton warps per program
   recurrence: str    # KDA_LM_PALLAS_RECURRENCE: interpret mode runs the
   #                    recurrences as on GPU ("loop", default) or TPU ("grid")
+  precision: str     # KDA_LM_PALLAS_PRECISION: in-kernel dots "highest"
+  #                    (IEEE float32, default) or "default" (the backend's
+  #                    fast float32: TF32 tensor cores on GPU)
 
 
 def _env_int(name, default, ok, what):
@@ -710,7 +722,8 @@ def read_options():
       v_block=_env_int(V_BLOCK_ENV, 64, pow2, "a power of two >= 16"),
       num_warps=_env_int(NUM_WARPS_ENV, 4, lambda n: n in (1, 2, 4, 8, 16),
                          "one of 1, 2, 4, 8, 16"),
-      recurrence=_env_choice(RECURRENCE_ENV, ("loop", "grid")))
+      recurrence=_env_choice(RECURRENCE_ENV, ("loop", "grid")),
+      precision=_env_choice(PRECISION_ENV, tuple(_PRECISIONS)))
 
 
 def _tok(x):
@@ -760,11 +773,16 @@ def _params(platform, options, specs, semantics=("parallel",) * 3):
 
 def _per_platform(run, options):
   """run("interpret"), or run("tpu") / run("gpu") by the lowering platform
-  (`lax.platform_dependent` lowers only the matching branch)."""
-  if options.interpret:
-    return run("interpret")
-  return lax.platform_dependent(tpu=lambda: run("tpu"),
-                                default=lambda: run("gpu"))
+  (`lax.platform_dependent` lowers only the matching branch); the kernels
+  are traced with `options.precision` for their dots."""
+  _dot_precision[0] = _PRECISIONS[options.precision]
+  try:
+    if options.interpret:
+      return run("interpret")
+    return lax.platform_dependent(tpu=lambda: run("tpu"),
+                                  default=lambda: run("gpu"))
+  finally:
+    _dot_precision[0] = lax.Precision.HIGHEST
 
 
 def _call(kernel, args, in_specs, out_specs, out_shape, grid, options):
