@@ -69,8 +69,13 @@ def _grad_fn(impl, static):
   return jax.jit(jax.grad(loss, has_aux=True))
 
 
-def fwd_and_grads(impl, params, segment_ids, do, dht, **static):
-  grads, (o, s) = _grad_fn(impl, tuple(sorted(static.items())))(
+def fwd_and_grads(impl, params, segment_ids, do, dht, *, fresh=False,
+                  **static):
+  """(o, state, grads) as numpy; `fresh` traces anew instead of reusing the
+  cached function (kernel settings from the environment are read when
+  tracing)."""
+  make = _grad_fn.__wrapped__ if fresh else _grad_fn
+  grads, (o, s) = make(impl, tuple(sorted(static.items())))(
       params, segment_ids, do, dht)
   return jax.tree.map(np.asarray, (o, s, grads))
 
@@ -173,14 +178,8 @@ def test_v_blocks_match_reference(monkeypatch):
   seg = PACKED_IDS
   whole = fwd_and_grads("pallas", params, seg, do, dht, **static)
   monkeypatch.setenv(pallas.V_BLOCK_ENV, "16")
-
-  def loss(p):  # a fresh trace: the env var is read when tracing
-    o, s = chunk_kda(**p, segment_ids=seg, output_final_state=True,
-                     impl="pallas", **static)
-    return jnp.sum(o * do) + jnp.sum(s * dht), (o, s)
-
-  grads, (o, s) = jax.jit(jax.grad(loss, has_aux=True))(params)
-  split = jax.tree.map(np.asarray, (o, s, grads))
+  split = fwd_and_grads("pallas", params, seg, do, dht, fresh=True,
+                        **static)
   _compare(params, split, fwd_and_grads("reference", params, seg, do, dht,
                                         **static))
   for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(whole),
@@ -201,14 +200,8 @@ def test_tpu_style_recurrence_matches_reference(monkeypatch):
   params, seg, loop, want = packed_results()
   _, static, do, dht = make_inputs(0, 2, PACKED_T)
   monkeypatch.setenv(pallas.RECURRENCE_ENV, "grid")
-
-  def loss(p):  # a fresh trace: the env var is read when tracing
-    o, s = chunk_kda(**p, segment_ids=seg, output_final_state=True,
-                     impl="pallas", **static)
-    return jnp.sum(o * do) + jnp.sum(s * dht), (o, s)
-
-  grads, (o, s) = jax.jit(jax.grad(loss, has_aux=True))(params)
-  grid = jax.tree.map(np.asarray, (o, s, grads))
+  grid = fwd_and_grads("pallas", params, seg, do, dht, fresh=True,
+                       **static)
   _compare(params, grid, want)
   _compare(params, grid, loop, fwd_tol=1e-6, grad_tol=1e-6)
   pad = seg == 0
