@@ -1,6 +1,6 @@
 r"""GPU benchmark of the Pallas KDA kernels against the xla path, same run.
 
-Run by experiments/gpu_check.sh on a lent H100/H200 (jax with CUDA). For
+Run by experiments/gpu_check.sh on an H100/H200 (jax with CUDA). For
 B=1, T=8192, H=16, K=V=128 bfloat16 inputs, with segment_ids all ones and
 with `--docs` documents per row, it times the forward and forward+backward
 of `chunk_kda` for each `--impls` (median of `--repeats` after a warm-up,
@@ -19,8 +19,8 @@ of `chunk_kda` for each `--impls` (median of `--repeats` after a warm-up,
   float32 math), a correctness check at this size.
 
 FLA's published chunk_kda forward at this shape on an H100 is ~0.93 ms
-(third-party measurement, ../shared/notes/anchors.md); the issue's targets are
-within 2x of it and at least 5x faster than xla.
+(a third-party measurement); the targets are a forward within 2x of it and a
+forward+backward at least 5x faster than xla.
 
 Usage:
 

@@ -1,4 +1,4 @@
-"""Tests of the KDA op `kda_lm.ops.chunk_kda` (issue 2, "Tests").
+"""Tests of the KDA op `kda_lm.ops.chunk_kda`.
 
 Every implementation in `IMPLS_UNDER_TEST` is checked against the token-by-token
 `"reference"` oracle, and every implementation (the reference included) against
@@ -41,11 +41,9 @@ TOKEN_FIELDS = ("q", "k", "v", "g", "beta")
 GATE_FIELDS = ("g", "A_log", "dt_bias")
 BF16 = ml_dtypes.bfloat16
 
-# KDA_LM_GOLDEN_NPZ overrides the path (experiments/gpu_check.sh: the shared/
-# folder beside the checkout does not travel to a lent GPU machine).
-GOLDEN_PATH = os.environ.get("KDA_LM_GOLDEN_NPZ") or os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared",
-    "fixtures", "fla_kda_golden.npz")
+# FLA's outputs and gradients for six KDA cases (tests/testdata/README.md).
+GOLDEN_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                           "testdata", "fla_kda_golden.npz")
 GOLDEN_CASES = ("dense", "dense_h0", "varlen", "varlen_gate_l2",
                 "varlen_lowerbound", "spikes")
 
@@ -275,8 +273,8 @@ def packed_inputs(seed):
 def _golden():
   if not os.path.exists(GOLDEN_PATH):
     raise FileNotFoundError(
-        f"{GOLDEN_PATH} is missing: the tests expect the shared/ folder "
-        "beside the repository (see shared/fixtures/README.md).")
+        f"{GOLDEN_PATH} is missing: it ships with the repository "
+        "(see tests/testdata/README.md).")
   with np.load(GOLDEN_PATH) as z:
     return {n: z[n] for n in z.files}
 

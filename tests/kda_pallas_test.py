@@ -237,7 +237,7 @@ def test_vmap_over_rows_equals_batch():
 
 
 # ----------------------------------------------------------------------------
-# FLA golden fixture (see shared/fixtures/README.md).
+# FLA golden fixture (see tests/testdata/README.md).
 
 
 

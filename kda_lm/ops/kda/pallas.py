@@ -1,7 +1,7 @@
 """Chunked KDA as Pallas kernels: one source for TPU (Mosaic) and GPU (Triton).
 
-The math is the chunked WY/UT form of `xla.py` (facts in
-../shared/notes/kda-math.md), split into kernels as FLA's chunk_kda does:
+The math is the chunked WY/UT form of `xla.py` (derived in docs/kda.md),
+split into kernels as FLA's chunk_kda does:
 the heavy intra-chunk work runs in parallel over chunks, and only a light
 recurrence walks the chunks in order. Forward:
 

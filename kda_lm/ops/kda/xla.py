@@ -4,7 +4,7 @@ Shape glossary: B batch, H heads, N chunks, C chunk size, c sub-block size,
 K key dim, V value dim; `L...` stands for leading batch dims (B, H, chunks).
 
 Per chunk of C rows with state S entering it and `G = cumsum(g)` inside the
-chunk (facts in ../shared/notes/kda-math.md):
+chunk (derivation in docs/kda.md):
 
   Aqk[r,s] = sum_d q_r k_s exp(G_r - G_s)            s <= r, same segment
   M[r,s]   = beta_r sum_d k_r k_s exp(G_r - G_s)     s <  r, same segment
