@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda_lm.layers import kda, linear, mla, mlp, moe, mtp, norm, segments
+from kda_lm import segments
+from kda_lm.layers import kda, linear, mla, mlp, moe, mtp, norm
 from kda_lm.ops.kda import api as kda_api
 
 LAYER_KINDS = {"K": "kda", "M": "mla"}
@@ -354,7 +355,7 @@ def forward(cfg: dict[str, Any], tokens: jax.Array,
   mtp_logits = []
   for k in range(1, cfg["num_mtp_layers"] + 1):
     # Layer k reads t_{i+k}; zeroed outside position i's document.
-    same = mtp.same_segment_ahead(segment_ids, k, shape)
+    same = segments.same_segment_ahead(segment_ids, k, shape)
     e_BTD = jnp.where(same[..., None], mtp.shift_left(emb_BTD, k),
                       0).astype(cdt)
     with hk.name_scope(f"mtp_{k - 1}"):

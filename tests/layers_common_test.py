@@ -1,4 +1,4 @@
-"""Tests of the small layers: norm.py, mlp.py, linear.py, segments.py."""
+"""Tests of the small layers: norm.py, mlp.py, linear.py."""
 
 import haiku as hk
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kda_lm.layers import linear, mlp, norm, segments
+from kda_lm.layers import linear, mlp, norm
 
 
 def _run(fn, *args):
@@ -42,17 +42,6 @@ def test_swiglu_and_dense_dtypes():
   params, y = _run(lambda x: linear.Dense(4, out_dtype=jnp.float32)(x),
                    x.astype(jnp.bfloat16))
   assert params["dense"]["w"].dtype == jnp.float32 and y.dtype == np.float32
-
-
-def test_segment_helpers():
-  seg = np.array([[1, 1, 2, 2, 2, 0, 0, 3, 3, 1]], np.int32)
-  np.testing.assert_array_equal(segments.offsets(seg),
-                                [[0, 1, 0, 1, 2, 0, 1, 0, 1, 0]])
-  np.testing.assert_array_equal(segments.positions_from_segment_ids(seg),
-                                [[0, 1, 0, 1, 2, 0, 0, 0, 1, 0]])
-  # A reused id later in the row is a new run (as in chunk_kda).
-  np.testing.assert_array_equal(segments.run_ids(seg),
-                                [[1, 1, 2, 2, 2, 3, 3, 4, 4, 5]])
 
 
 @pytest.mark.parametrize("bad", [0, True, 2.0])

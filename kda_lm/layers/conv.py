@@ -14,7 +14,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from kda_lm.layers import segments
+from kda_lm import segments
 
 
 class ShortConvolution(hk.Module):

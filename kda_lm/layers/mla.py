@@ -27,37 +27,26 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from kda_lm.layers import linear, norm, rope, segments
+from kda_lm import segments
+from kda_lm.layers import linear, norm, rope
 
 # A large finite negative: exp() of it underflows to exactly 0, and a row
 # with every entry masked stays finite (no NaN) in forward and backward.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def attention_mask(T: int, segment_ids: Optional[jax.Array]) -> jax.Array:
-  """Returns the [B or 1,1,T,S=T] bool mask: causal & same segment & valid.
-
-  Args:
-    T: tokens per row.
-    segment_ids: optional [B,T] int ids (0 = padding); None = causal only.
-  """
-  if segment_ids is None:
-    return _block_mask(0, T, T, None, None)
-  return _block_mask(0, T, T, segments.run_ids(segment_ids),
-                     segment_ids != 0)
-
-
-def _block_mask(start, stop, S, run_BT, valid_BT):
+def _block_mask(start, stop, S, piece_BT, valid_BT):
   """Mask of queries [start, stop) against keys [0, S): [B or 1,1,t,S]."""
   t = jnp.arange(start, stop)
   mask = (t[:, None] >= jnp.arange(S)[None, :])[None]
-  if run_BT is not None:
-    same = run_BT[:, start:stop, None] == run_BT[:, None, :S]
+  if piece_BT is not None:
+    same = piece_BT[:, start:stop, None] == piece_BT[:, None, :S]
     mask = mask & same & valid_BT[:, None, :S]
   return mask[:, None]
 
 
-def _attend_block(q_BtHP, k_BSHP, v_BSHE, run_BT, valid_BT, *, start, scale):
+def _attend_block(q_BtHP, k_BSHP, v_BSHE, piece_BT, valid_BT, *, start,
+                  scale):
   """Softmax attention of queries [start, start+t) over keys [0, S).
 
   Returns:
@@ -66,7 +55,7 @@ def _attend_block(q_BtHP, k_BSHP, v_BSHE, run_BT, valid_BT, *, start, scale):
   stop, S = start + q_BtHP.shape[1], k_BSHP.shape[1]
   s_BHtS = jnp.einsum("bthp,bshp->bhts", q_BtHP, k_BSHP,
                       preferred_element_type=jnp.float32) * scale
-  mask = _block_mask(start, stop, S, run_BT, valid_BT)
+  mask = _block_mask(start, stop, S, piece_BT, valid_BT)
   s_BHtS = jnp.where(mask, s_BHtS, MASK_VALUE)
   p_BHtS = jax.nn.softmax(s_BHtS, axis=-1).astype(v_BSHE.dtype)
   return jnp.einsum("bhts,bshe->bthe", p_BHtS, v_BSHE,
@@ -183,12 +172,12 @@ class MultiHeadLatentAttention(hk.Module):
         [k_nope_BTHN, jnp.broadcast_to(k_rope_BT1R, (B, T, H, R))], axis=-1)
 
     if segment_ids is None:
-      run_BT = valid_BT = None
+      piece_BT = valid_BT = None
     else:
-      run_BT, valid_BT = segments.run_ids(segment_ids), segment_ids != 0
+      piece_BT, valid_BT = segments.piece_ids(segment_ids), segment_ids != 0
     scale = (N + R) ** -0.5
     if T <= self.q_block:
-      o_BTHE = _attend_block(q_BTHP, k_BTHP, v_BTHE, run_BT, valid_BT,
+      o_BTHE = _attend_block(q_BTHP, k_BTHP, v_BTHE, piece_BT, valid_BT,
                              start=0, scale=scale)
     else:
       # Causal query blocks: block [a, b) only reads keys [0, b), and its
@@ -199,7 +188,7 @@ class MultiHeadLatentAttention(hk.Module):
         attend = jax.checkpoint(functools.partial(
             _attend_block, start=start, scale=scale))
         outs.append(attend(q_BTHP[:, start:stop], k_BTHP[:, :stop],
-                           v_BTHE[:, :stop], run_BT, valid_BT))
+                           v_BTHE[:, :stop], piece_BT, valid_BT))
       o_BTHE = jnp.concatenate(outs, axis=1)
     if segment_ids is not None:
       o_BTHE = jnp.where((segment_ids != 0)[:, :, None, None], o_BTHE, 0.0)

@@ -11,10 +11,12 @@ MTP layer k (1-based) at position i predicts token t_{i+k+1}:
 
 with h^0 the main stack's hidden state before its final norm, and the
 embedding and LM head shared with the main model (`kda_lm/model.py` builds
-the blocks). With the training batch's `inputs` t_0..t_{T-1` and `targets`
+the blocks). With the training batch's `inputs` t_0..t_{T-1}` and `targets`
 t_1..t_T, layer k's target at i is `targets[i + k]`, counted iff that target
 is counted by the main loss (`loss_mask[i + k]`) and lies in the same
-document as position i (`segment_ids[i + k] == segment_ids[i] != 0`).
+segment as position i (`kda_lm.segments.same_segment_ahead`: no padding or
+other document between them, so a reused id after padding is another
+document, as for KDA and MLA).
 """
 
 from typing import Optional
@@ -23,6 +25,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from kda_lm import segments
 from kda_lm.layers import linear, norm
 
 
@@ -33,16 +36,6 @@ def shift_left(x: jax.Array, k: int, fill=0) -> jax.Array:
   T = x.shape[1]
   pad = jnp.full((x.shape[0], min(k, T), *x.shape[2:]), fill, x.dtype)
   return jnp.concatenate([x[:, k:], pad], axis=1)[:, :T]
-
-
-def same_segment_ahead(segment_ids: Optional[jax.Array], k: int,
-                       shape: tuple[int, int]) -> jax.Array:
-  """[B,T] bool: position i + k exists, is not padding and is in i's doc."""
-  B, T = shape
-  if segment_ids is None:
-    return jnp.broadcast_to(jnp.arange(T) + k < T, (B, T))
-  ahead = shift_left(segment_ids, k, fill=0)
-  return (ahead == segment_ids) & (segment_ids != 0)
 
 
 def targets_and_mask(targets: jax.Array, loss_mask: jax.Array,
@@ -60,7 +53,7 @@ def targets_and_mask(targets: jax.Array, loss_mask: jax.Array,
     (`targets[i + k]`, `loss_mask[i + k]` where position i + k is in the
     same document as i, else 0).
   """
-  same = same_segment_ahead(segment_ids, k, tuple(targets.shape))
+  same = segments.same_segment_ahead(segment_ids, k, tuple(targets.shape))
   mask = shift_left(loss_mask.astype(jnp.float32), k, fill=0.0)
   return (shift_left(targets, k, fill=0),
           jnp.where(same, mask, 0.0).astype(jnp.float32))

@@ -91,9 +91,9 @@ def _validate(q, k, v, g, beta, *, scale, initial_state, segment_ids,
   if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
     raise ValueError(f"scale must be a positive Python float, got {scale!r}.")
   if not isinstance(chunk_size, int) or chunk_size < 1 or (
-      chunk_size > xla.SUB_BLOCK and chunk_size % xla.SUB_BLOCK):
+      chunk_size > common.SUB_BLOCK and chunk_size % common.SUB_BLOCK):
     raise ValueError(f"chunk_size must be a positive int that is <= "
-                     f"{xla.SUB_BLOCK} or a multiple of it, got "
+                     f"{common.SUB_BLOCK} or a multiple of it, got "
                      f"{chunk_size!r}.")
 
   if segment_ids is not None and cu_seqlens is not None:

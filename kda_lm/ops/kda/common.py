@@ -2,8 +2,8 @@
 
 Shape glossary (batch-first, as in FLA and RFC-0026):
   B: batch rows          T: tokens per row       H: heads
-  K: key/query head dim  V: value head dim       N: chunks (T / C)
-  C: chunk size          c: sub-block size inside a chunk
+  K: key/query head dim  V: value head dim       n_chunks: T / C
+  C: chunk size          c: sub-block size inside a chunk (`SUB_BLOCK`)
 
 Every implementation receives the *canonical* form built here: float32
 q, k, v, g (an activated log-decay, <= 0), beta, all exactly zero at padding
@@ -16,7 +16,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kda_lm import segments
+
 L2NORM_EPS = 1e-6
+# c: rows per sub-block inside a chunk, in every chunked implementation (the
+# anchored decay factorisation and the blocked triangular solve).
+SUB_BLOCK = 16
 
 
 def l2norm(x):
@@ -65,18 +70,13 @@ class Segments(NamedTuple):
 def segments_from_ids(segment_ids):
   """Builds the reset/padding masks of RFC-0026 from `segment_ids [B,T]`.
 
-  A segment starts at every non-padding token whose id differs from the
-  previous token's id (t=0 always starts one). Any layout is allowed: ids need
-  not be consecutive, padding may sit between documents, and a document
-  interrupted by padding is two segments.
+  The definition is `kda_lm.segments`': a segment starts at every non-padding
+  token whose id differs from the previous token's id. Any layout is allowed:
+  ids need not be consecutive, padding may sit between documents, and a
+  document interrupted by padding is two segments.
   """
   seg = segment_ids.astype(jnp.int32)
-  pad = seg == 0
-  prev = jnp.pad(seg[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
-  start = (~pad) & (seg != prev)
-  n_start = jnp.cumsum(start.astype(jnp.int32), axis=1)
-  reset = start & (n_start > 1)
-  return Segments(pad=pad, reset=reset)
+  return Segments(pad=seg == 0, reset=segments.resets(seg))
 
 
 def canonicalize(q, k, v, g, beta, segs, *, A_log, dt_bias, lower_bound,

@@ -69,8 +69,10 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
+from kda_lm.ops.kda import common
+
 CHUNK = 64                 # C: tokens per chunk
-SUB = 16                   # c: rows per sub-block
+SUB = common.SUB_BLOCK     # c: rows per sub-block
 NB = CHUNK // SUB          # sub-blocks per chunk
 MAX_HEAD_DIM = 256         # K and V limit (state [K,V] f32 stays on chip)
 INTERPRET_ENV = "KDA_LM_PALLAS_INTERPRET"

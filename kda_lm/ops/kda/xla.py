@@ -38,7 +38,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-SUB_BLOCK = 16        # c: rows per anchored sub-block (and per solve block)
+from kda_lm.ops.kda import common
+
+SUB_BLOCK = common.SUB_BLOCK  # c: rows per anchored sub-block, solve block
 GROUP_CHUNKS = 8      # chunks per checkpointed group
 
 
