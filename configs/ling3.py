@@ -39,36 +39,50 @@ import ml_collections
 import numpy as np
 
 from configs import ling3_tiny
+from kda_lm import config as config_lib
 from kda_lm import model as model_lib
 
 SIZES = ("tiny", "flash")
 
 
+# What differs between the sizes: width, layers and Ling 3.0's layer group
+# (one MLA layer per group), heads, query latent (0 = direct W_q), dense FFN
+# width, routed experts and their width, leading dense layers, MTP layers.
+_PER_SIZE = {
+    "tiny": dict(d_model=1536, layers=(24, 4), num_heads=16, q_lora_rank=256,
+                 mlp_hidden_dim=4608, num_experts=128,
+                 moe_intermediate_size=512, first_k_dense_replace=1),
+    "flash": dict(d_model=2560, layers=(42, 6), num_heads=32,
+                  mlp_hidden_dim=6144, num_experts=512,
+                  moe_intermediate_size=768, first_k_dense_replace=2,
+                  num_mtp_layers=1),
+}
+
+
 def model_config(size: str) -> ml_collections.ConfigDict:
-  """The `model` dict of Ling-3.0-`size`."""
-  m = ling3_tiny.model_config()
-  # Shared by both sizes.
-  m.update(dict(
-      vocab_size=157184, head_dim=128, kda_gate="ling", conv_size=4,
-      kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-      v_head_dim=128, rope_theta=6e6, use_nope=False, mla_output_gate=True,
-      tie_embeddings=False, num_experts_per_tok=8, num_shared_experts=1,
-      routed_scaling_factor=2.5, compute_dtype="bfloat16"))
-  if size == "tiny":
-    m.update(dict(
-        d_model=1536, attention_pattern=model_lib.ling_pattern(24, 4),
-        num_heads=16, q_lora_rank=256, mlp_hidden_dim=4608, num_experts=128,
-        moe_intermediate_size=512, first_k_dense_replace=1, n_group=8,
-        topk_group=4, num_mtp_layers=0))
-  elif size == "flash":
-    m.update(dict(
-        d_model=2560, attention_pattern=model_lib.ling_pattern(42, 6),
-        num_heads=32, q_lora_rank=0, mlp_hidden_dim=6144, num_experts=512,
-        moe_intermediate_size=768, first_k_dense_replace=2, n_group=8,
-        topk_group=4, num_mtp_layers=1))
-  else:
+  """The `model` section of Ling-3.0-`size` (the rest: ModelConfig's
+  defaults)."""
+  if size not in SIZES:
     raise ValueError(f"Unknown Ling 3.0 size {size!r}; expected one of "
                      f"{SIZES}.")
+  m = config_lib.config_dict(config_lib.ModelConfig)
+  m.vocab_size = 157184           # The Bailing tokenizer.
+  m.head_dim = 128                # KDA query/key/value dims per head.
+  m.kv_lora_rank = 512            # MLA KV latent, as DeepSeek-V3.
+  m.qk_nope_head_dim = 128
+  m.qk_rope_head_dim = 64
+  m.v_head_dim = 128
+  m.rope_theta = 6e6              # RoPE base for 128k context.
+  m.mla_output_gate = True        # Head-wise gated MLA.
+  m.num_experts_per_tok = 8       # Top-8 of the routed experts,
+  m.num_shared_experts = 1        # plus one shared expert,
+  m.routed_scaling_factor = 2.5   # weights scaled by 2.5,
+  m.n_group = 8                   # chosen from 4 of 8 expert groups.
+  m.topk_group = 4
+  m.compute_dtype = "bfloat16"    # Activations as trained.
+  values = dict(_PER_SIZE[size])
+  m.attention_pattern = model_lib.ling_pattern(*values.pop("layers"))
+  m.update(values)
   return m
 
 
@@ -89,9 +103,9 @@ def count_params(model_config: Any) -> dict[str, int]:
     `total` (main model), `activated` (see the module docstring), `mtp`
     (all MTP-layer parameters) and `mtp_activated`.
   """
-  cfg = model_lib.resolve_config(model_config)
+  cfg = config_lib.ModelConfig.from_config(model_config)
   params = model_lib.abstract_params(model_config, seq_len=1)
-  E, k = cfg["num_experts"], cfg["num_experts_per_tok"]
+  E, k = cfg.num_experts, cfg.num_experts_per_tok
   out = dict(total=0, activated=0, mtp=0, mtp_activated=0)
   for module, name, p in _traverse(params):
     n = int(np.prod(p.shape))

@@ -30,153 +30,60 @@ variants combine with commas, e.g. `:text,kda_only`.
 import ml_collections
 
 from data import pipeline
+from kda_lm import config as config_lib
 
 
 def model_config() -> ml_collections.ConfigDict:
-  """The `model` dict read by `kda_lm.model.build`."""
-  m = ml_collections.ConfigDict()
-  # Token ids lie in [0, vocab_size); 256 covers delayed_copy's default and
-  # the byte-level text_files vocabulary.
+  """The `model` section (`kda_lm.config.ModelConfig`; the rest default)."""
+  m = config_lib.config_dict(config_lib.ModelConfig)
+  # Token ids lie in [0, vocab_size); `get_config` links it to the data's.
   m.vocab_size = 256
   m.d_model = 128                 # D, residual width (channels).
-  # One character per layer, K = KDA, M = MLA; its length is the number of
-  # layers. "KKKM" = Ling 3.0's layer_group_size=4 rule with 4 layers.
+  # One character per layer, K = KDA, M = MLA: Ling 3.0's
+  # layer_group_size=4 rule with 4 layers.
   m.attention_pattern = "KKKM"
-  m.num_heads = 4                 # H, KDA heads (and MLA heads by default).
-  m.head_dim = 32                 # K, KDA query/key dims per head.
-  # V, KDA value dims per head; None = head_dim.
-  m.kda_head_v_dim = ml_collections.FieldReference(None, field_type=int)
-  # KDA gates: "ling" (full-rank, bounded gate in (-5, 0)) or "kimi"
-  # (low-rank, softplus gate).
-  m.kda_gate = "ling"
-  m.conv_size = 4                 # Short-conv taps (tokens) per channel.
-  m.conv_bias = False             # Bias in the short convolutions.
-  # MLA heads; None = num_heads.
-  m.mla_num_heads = ml_collections.FieldReference(None, field_type=int)
-  m.q_lora_rank = 0               # Query latent rank (dims); 0 = direct W_q.
-  m.kv_lora_rank = 64             # Compressed KV latent (dims per token).
-  m.qk_nope_head_dim = 32         # Query/key dims per head without RoPE.
-  m.qk_rope_head_dim = 16         # Query dims per head (and shared key dims)
-  #                                 with RoPE; even.
-  m.v_head_dim = 32               # Value dims per head.
-  m.rope_theta = 10000.0          # RoPE base (Ling 3.0 uses 6e6 at 128k).
-  m.use_nope = False              # True = no RoPE (Kimi Linear's MLA).
+  m.num_heads = 4                 # H, KDA and MLA heads.
+  m.head_dim = 32                 # K, KDA query/key (and value) dims.
+  m.kv_lora_rank = 64             # MLA compressed KV latent (dims per token).
+  m.qk_nope_head_dim = 32         # MLA query/key dims per head without RoPE.
+  m.qk_rope_head_dim = 16         # MLA query/shared key dims with RoPE.
+  m.v_head_dim = 32               # MLA value dims per head.
   m.mla_output_gate = True        # Head-wise sigmoid output gate (Ling 3.0).
-  m.mlp_hidden_dim = 384          # F, SwiGLU hidden width (channels).
-  m.tie_embeddings = False        # Share the embedding with the LM head.
-  # Embedding init stddev; None = 1.0 untied, 1/sqrt(d_model) tied.
-  m.embed_init_std = ml_collections.FieldReference(None, field_type=float)
-  m.norm_eps = 1e-6               # RMSNorm epsilon (all norms).
-  m.param_dtype = "float32"       # Stored parameters.
-  m.compute_dtype = "float32"     # Activations ("bfloat16" on accelerators).
-  m.kda_impl = "auto"             # chunk_kda impl: auto | reference | xla.
-  m.kda_chunk_size = 64           # chunk_kda chunk length (tokens).
-  # Mixture of experts (Bailing / DeepSeek-V3, kda_lm/layers/moe.py).
-  m.num_experts = 8               # E routed experts; 0 = dense SwiGLU FFNs.
-  m.num_experts_per_tok = 2       # k experts per token (top-k).
-  m.num_shared_experts = 1        # Experts every token goes through.
-  m.moe_intermediate_size = 128   # Hidden width of each expert (channels).
-  m.first_k_dense_replace = 1     # Leading layers that keep the dense FFN.
-  m.routed_scaling_factor = 2.5   # Multiplies the renormalised weights.
-  m.n_group = 1                   # Expert groups (group-limited top-k).
-  m.topk_group = 1                # Groups a token may pick experts from.
-  # Selection-bias step per update (aux-loss-free balancing; 0 = frozen).
+  m.mlp_hidden_dim = 384          # F, dense SwiGLU width (layer 0).
+  # Ling 3.0's MoE on layers 1-3: 8 experts of width 128, top-2, one shared
+  # expert (active width 3 x 128 = the dense 384).
+  m.num_experts = 8
+  m.num_experts_per_tok = 2
+  m.num_shared_experts = 1
+  m.moe_intermediate_size = 128
+  m.first_k_dense_replace = 1     # Layer 0 keeps the dense FFN.
+  m.routed_scaling_factor = 2.5   # As Ling 3.0.
+  # Selection-bias step per update: faster than the default 1e-3 for runs
+  # of a few hundred steps.
   m.router_bias_update_rate = 0.01
-  # Multi-token prediction layers after the stack; 0 = none.
-  m.num_mtp_layers = 0
-  m.mtp_loss_scale = 0.1          # Weight of the MTP cross-entropy.
-  m.mtp_layer_kind = "M"          # Mixer of the MTP blocks: K or M.
   return m
 
 
 def data_config() -> ml_collections.ConfigDict:
-  """The `data` dict read by `data.pipeline` (see its docstring)."""
+  """The `data` section (`data/pipeline.py`; the rest default)."""
   d = pipeline.default_config()
-  d.name = "delayed_copy"         # Dataset: delayed_copy | text_files.
-  # TFDS build/cache dir; None = <workdir>/tfds.
-  d.data_dir = ml_collections.FieldReference(None, field_type=str)
   d.seq_len = 128                 # Tokens per packed row.
   # Rows per step, global (all processes). 4 reaches 99% soonest on 2 CPU
   # cores: 16 needs as many steps (~100) at 4x the cost per step.
   d.batch_size = 4
-  d.seed = 0                      # Shuffle seed of the training stream.
-  d.reset_at_document_boundaries = True  # Per-document segment ids/resets.
-  d.shuffle_buffer = 1024         # Documents in the shuffle buffer.
-  d.pack_window_rows = 64         # Rows' worth of documents packed together.
-  d.vocab_size = 32               # delayed_copy: token ids in [0, 32).
-  d.delay = 32                    # delayed_copy: t[i] = t[i - delay] (tokens).
-  d.min_len = 64                  # delayed_copy: shortest document (tokens).
-  d.max_len = 128                 # delayed_copy: longest document (tokens).
-  d.num_train_docs = 10_000       # delayed_copy: train documents.
-  d.num_eval_docs = 256           # delayed_copy: validation documents.
-  d.dataset_seed = 0              # delayed_copy: generator seed.
-  d.glob = ""                     # text_files: files ("" = Python stdlib .py).
-  d.validation_percent = 5        # text_files: % of files for validation.
+  # delayed_copy: 32 token ids, copied 32 tokens back (beyond the
+  # short-conv window), documents of 64..128 tokens, 256 for validation.
+  d.vocab_size = 32
+  d.delay = 32
+  d.min_len = 64
+  d.max_len = 128
+  d.num_eval_docs = 256
   return d
 
 
-def opt_config() -> ml_collections.ConfigDict:
-  """The `opt` dict: AdamW, linear warmup then cosine decay, clipping."""
-  o = ml_collections.ConfigDict()
-  o.peak_lr = 3e-3                # Learning rate after warmup (per step).
-  o.warmup_steps = 50             # Linear warmup from 0 (steps).
-  # Warmup + cosine length (steps); None = train.num_steps.
-  o.decay_steps = ml_collections.FieldReference(None, field_type=int)
-  o.end_lr_ratio = 0.1            # Final lr as a fraction of peak_lr.
-  o.weight_decay = 0.1            # Decoupled decay (fraction of lr per step);
-  #                                 not on norms, biases, A_log, dt_bias.
-  o.b1 = 0.9                      # Adam first-moment decay.
-  o.b2 = 0.98                     # Adam second-moment decay.
-  o.eps = 1e-8                    # Adam epsilon.
-  o.clip_norm = 1.0               # Global gradient-norm clip; 0 = none.
-  return o
-
-
-def train_config() -> ml_collections.ConfigDict:
-  """The `train` dict: length, logging, seed."""
-  t = ml_collections.ConfigDict()
-  t.num_steps = 400               # Optimizer steps in the run.
-  t.log_every = 20                # Steps between metric rows (host syncs).
-  t.seed = 0                      # Parameter init / state rng seed.
-  # Stop once eval accuracy reaches this (fraction); None = run all steps.
-  t.stop_at_eval_accuracy = ml_collections.FieldReference(
-      None, field_type=float)
-  t.tensorboard = False           # Also write tensorboardX event files.
-  # Progress bar: None = on a terminal only, True/False = always/never.
-  t.progress_bar = ml_collections.FieldReference(None, field_type=bool)
-  return t
-
-
-def eval_config() -> ml_collections.ConfigDict:
-  """The `eval` dict: periodic validation."""
-  e = ml_collections.ConfigDict()
-  e.every_steps = 50              # Steps between evals (0 = no eval).
-  # Batches per eval (data.batch_size rows each); None = the whole split.
-  e.num_batches = ml_collections.FieldReference(None, field_type=int)
-  return e
-
-
-def checkpoint_config() -> ml_collections.ConfigDict:
-  """The `checkpoint` dict: Orbax checkpoints in <workdir>/checkpoints."""
-  c = ml_collections.ConfigDict()
-  c.enabled = True                # Save and auto-resume.
-  c.every_steps = 100             # Steps between saves (and the last step).
-  c.max_to_keep = 3               # Newest checkpoints kept.
-  c.async_save = True             # Write arrays in a background thread.
-  return c
-
-
-def mesh_config() -> ml_collections.ConfigDict:
-  """The `mesh` dict: devices as a (data, fsdp) mesh."""
-  m = ml_collections.ConfigDict()
-  m.data = -1                     # Data-parallel devices; -1 = all / fsdp.
-  m.fsdp = 1                      # Devices each parameter is sharded over.
-  m.distributed = False           # jax.distributed.initialize (multi-host).
-  # jax.distributed.initialize arguments; None = auto-detect.
-  m.coordinator_address = ml_collections.FieldReference(None, field_type=str)
-  m.num_processes = ml_collections.FieldReference(None, field_type=int)
-  m.process_id = ml_collections.FieldReference(None, field_type=int)
-  return m
+def _section(cls) -> ml_collections.ConfigDict:
+  """A section at its defaults (`kda_lm/config.py` documents each field)."""
+  return config_lib.config_dict(cls)
 
 
 VARIANTS = ("text", "kda_only", "mla_only", "dense", "mtp")
@@ -204,11 +111,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.model = model_config()
   config.data = data_config()
-  config.opt = opt_config()
-  config.train = train_config()
-  config.eval = eval_config()
-  config.checkpoint = checkpoint_config()
-  config.mesh = mesh_config()
+  # AdamW (peak 3e-3, warmup 50, cosine to 10%), 400 steps, eval every 50,
+  # checkpoint every 100, all devices data-parallel: the defaults.
+  config.opt = _section(config_lib.OptConfig)
+  config.train = _section(config_lib.TrainConfig)
+  config.eval = _section(config_lib.EvalConfig)
+  config.checkpoint = _section(config_lib.CheckpointConfig)
+  config.mesh = _section(config_lib.MeshConfig)
   # The model's vocabulary follows the delayed-copy vocabulary.
   config.model.vocab_size = config.data.get_ref("vocab_size")
   if "text" in variants:

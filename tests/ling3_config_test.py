@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from configs import ling3
-from kda_lm import model
+from kda_lm import config, model
 
 PUBLISHED = {"tiny": (7.9e9, 1.3e9), "flash": (125e9, 5.1e9)}
 
@@ -51,26 +51,26 @@ def test_tiny_activated_known_gap():
 
 
 def test_shapes_match_the_published_models():
-  t = model.resolve_config(ling3.model_config("tiny"))
-  f = model.resolve_config(ling3.model_config("flash"))
+  t = config.ModelConfig.from_config(ling3.model_config("tiny"))
+  f = config.ModelConfig.from_config(ling3.model_config("flash"))
   assert t["attention_pattern"] == "KKKM" * 6
   assert f["attention_pattern"] == "KKKKKM" * 7
   for cfg, d, h, q, e, fk, ffn, dense, mtp in (
       (t, 1536, 16, 256, 128, 1, 512, 4608, 0),
       (f, 2560, 32, 0, 512, 2, 768, 6144, 1)):
-    assert (cfg["d_model"], cfg["num_heads"], cfg["head_dim"],
-            cfg["q_lora_rank"], cfg["kv_lora_rank"]) == (d, h, 128, q, 512)
-    assert (cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"],
-            cfg["v_head_dim"]) == (128, 64, 128)
-    assert (cfg["num_experts"], cfg["num_experts_per_tok"],
-            cfg["num_shared_experts"], cfg["moe_intermediate_size"]) == (
+    assert (cfg.d_model, cfg.num_heads, cfg.head_dim,
+            cfg.q_lora_rank, cfg.kv_lora_rank) == (d, h, 128, q, 512)
+    assert (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+            cfg.v_head_dim) == (128, 64, 128)
+    assert (cfg.num_experts, cfg.num_experts_per_tok,
+            cfg.num_shared_experts, cfg.moe_intermediate_size) == (
                 e, 8, 1, ffn)
-    assert (cfg["first_k_dense_replace"], cfg["mlp_hidden_dim"],
-            cfg["num_mtp_layers"]) == (fk, dense, mtp)
-    assert cfg["vocab_size"] == 157184 and cfg["kda_gate"] == "ling"
-    assert cfg["mla_output_gate"] and not cfg["use_nope"]
-    assert cfg["routed_scaling_factor"] == 2.5
-    assert (cfg["n_group"], cfg["topk_group"]) == (8, 4)
+    assert (cfg.first_k_dense_replace, cfg.mlp_hidden_dim,
+            cfg.num_mtp_layers) == (fk, dense, mtp)
+    assert cfg.vocab_size == 157184 and cfg.kda_gate == "ling"
+    assert cfg.mla_output_gate and not cfg.use_nope
+    assert cfg.routed_scaling_factor == 2.5
+    assert (cfg.n_group, cfg.topk_group) == (8, 4)
   with pytest.raises(ValueError, match="Unknown Ling 3.0 size"):
     ling3.model_config("huge")
   config = ling3.get_config("flash")

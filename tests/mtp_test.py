@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from kda_lm import model, training
+from kda_lm import config, losses, model, training
 from kda_lm.layers import moe, mtp
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
@@ -146,7 +146,8 @@ def test_update_step_mtp_loss_and_router_bias():
   for key in ("moe_load_max", "moe_load_min", "moe_load_imbalance"):
     assert key in metrics
   assert 0 <= metrics["moe_load_min"] <= 1 / 4 <= metrics["moe_load_max"]
-  rate = model.resolve_config(MTP_CONFIG)["router_bias_update_rate"]
+  rate = config.ModelConfig.from_config(
+      MTP_CONFIG).router_bias_update_rate
   modules = model.router_bias_modules(MTP_CONFIG)
   assert modules == ["layer_1/moe", "mtp_0/block/moe", "mtp_1/block/moe"]
   for row, module in enumerate(modules):

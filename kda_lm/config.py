@@ -1,0 +1,414 @@
+"""Typed configs: one frozen dataclass per config section, validated once.
+
+A training config (`configs/ling3_tiny.py`) is an `ml_collections.ConfigDict`
+with the sections `model`, `data`, `opt`, `train`, `eval`, `checkpoint` and
+`mesh`, so that every field can be overridden on the command line
+(`--config.model.d_model=64`). Inside the code each section is read once into
+its dataclass here (`data`'s live beside the datasets, in `data/pipeline.py`):
+the dataclass fields are the section's keys, their defaults are the one home
+of the defaults, and `__post_init__` raises a `ValueError` naming the field.
+
+  model_config = config.ModelConfig.from_config(cfg.model)
+  cfg.model = config.config_dict(config.ModelConfig)   # in a config file
+"""
+
+import dataclasses
+import typing
+from typing import Any, Optional, TypeVar
+
+import ml_collections
+import numpy as np
+
+from kda_lm.layers import kda, mla, moe
+from kda_lm.ops.kda import api as kda_api
+
+LAYER_KINDS = {"K": "kda", "M": "mla"}
+DTYPES = ("float32", "bfloat16", "float16")
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------
+# Reading a ConfigDict section into a dataclass.
+
+
+def _field_type(cls: type, name: str) -> type:
+  """The scalar type of a field (`int` for `Optional[int]`)."""
+  hint = typing.get_type_hints(cls)[name]
+  args = [a for a in typing.get_args(hint) if a is not type(None)]
+  return args[0] if args else hint
+
+
+def config_dict(cls: type) -> ml_collections.ConfigDict:
+  """A ConfigDict with every field of `cls` at its default.
+
+  Fields without a default, or with None, become typed
+  `FieldReference(None)`s, so that a config file or the command line can set
+  them.
+  """
+  out = ml_collections.ConfigDict()
+  for f in dataclasses.fields(cls):
+    value = f.default
+    if value is dataclasses.MISSING or value is None:
+      value = ml_collections.FieldReference(
+          None, field_type=_field_type(cls, f.name))
+    out[f.name] = value
+  return out
+
+
+def field_names(cls: type) -> tuple[str, ...]:
+  return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def check_keys(section: str, values: Any, known: set[str], *,
+               required: bool = False) -> None:
+  """Raises for keys of `values` not in `known` (and missing ones).
+
+  Args:
+    section: the section's name, e.g. "model" (for the message).
+    values: a ConfigDict or mapping.
+    known: the allowed keys.
+    required: every known key must be present.
+
+  Raises:
+    ValueError: `values` is not a mapping, or has an unknown (or, with
+      `required`, lacks a) key; the message names it.
+  """
+  if not isinstance(values, (ml_collections.ConfigDict, dict)):
+    raise ValueError(f"config.{section} must be a ConfigDict, got "
+                     f"{type(values).__name__}.")
+  keys = set(values.keys())
+  unknown = sorted(keys - known)
+  if unknown:
+    raise ValueError(
+        f"Unknown config key 'config.{section}.{unknown[0]}' (unknown: "
+        f"{unknown}); known keys of config.{section}: {sorted(known)}.")
+  missing = sorted(known - keys) if required else []
+  if missing:
+    raise ValueError(f"Missing config keys in config.{section}: {missing}.")
+
+
+def from_config(cls: type[T], values: Any, section: str, *,
+                required: bool = False) -> T:
+  """Reads a ConfigDict (or mapping, or a `cls`) into a validated `cls`.
+
+  Missing keys and None values take the field's default.
+
+  Args:
+    cls: the dataclass.
+    values: the section.
+    section: its name in messages, e.g. "model".
+    required: every field must be present (see `check_keys`).
+
+  Returns:
+    The `cls` instance.
+
+  Raises:
+    ValueError: an unknown key, a missing key without a default, or a value
+      that the dataclass rejects.
+  """
+  if isinstance(values, cls):
+    return values
+  check_keys(section, values, set(field_names(cls)), required=required)
+  kwargs = {}
+  for f in dataclasses.fields(cls):
+    value = values[f.name] if f.name in values else None
+    if value is None and f.default is dataclasses.MISSING:
+      raise ValueError(f"{section} config lacks the required key "
+                       f"{f.name!r}.")
+    if value is not None:
+      kwargs[f.name] = value
+  return cls(**kwargs)
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+  object.__setattr__(obj, name, value)
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _int_at_least(obj: Any, section: str, low: int, *names: str) -> None:
+  """Checks (and casts to int) fields that must be ints >= `low`."""
+  for name in names:
+    value = getattr(obj, name)
+    if not _is_int(value) or value < low:
+      what = "a positive int" if low == 1 else f"an int >= {low}"
+      raise ValueError(f"{section}.{name} must be {what}, got {value!r}.")
+    _set(obj, name, int(value))
+
+
+# ---------------------------------------------------------------------------
+# The model.
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The hybrid decoder's shape (`kda_lm.model.build`), validated.
+
+  Dimensions use the glossary of `kda_lm/model.py`. None defaults are
+  resolved in `__post_init__` (the resolved value is what the model reads).
+  """
+  # Token ids lie in [0, vocab_size).
+  vocab_size: int
+  # D, residual width (channels).
+  d_model: int
+  # One character per layer, K = KDA, M = MLA; its length is the number of
+  # layers (`ling_pattern` writes Ling 3.0's layout rule).
+  attention_pattern: str
+  # H, KDA heads (and MLA heads unless mla_num_heads).
+  num_heads: int
+  # K, KDA query/key dims per head.
+  head_dim: int
+  # MLA compressed KV latent (dims per token).
+  kv_lora_rank: int
+  # MLA query/key dims per head without RoPE.
+  qk_nope_head_dim: int
+  # MLA query dims per head (and shared key dims) with RoPE; even.
+  qk_rope_head_dim: int
+  # MLA value dims per head.
+  v_head_dim: int
+  # F, dense SwiGLU hidden width (channels).
+  mlp_hidden_dim: int
+  # V, KDA value dims per head; None = head_dim.
+  kda_head_v_dim: Optional[int] = None
+  # MLA heads; None = num_heads.
+  mla_num_heads: Optional[int] = None
+  # Bias in the KDA short convolutions.
+  conv_bias: bool = False
+  # RMSNorm epsilon (all norms).
+  norm_eps: float = 1e-6
+  # Embedding init stddev; None = 1.0 untied, 1/sqrt(d_model) tied.
+  embed_init_std: Optional[float] = None
+  # Stored parameters' dtype.
+  param_dtype: str = "float32"
+  # Activations' dtype ("bfloat16" on accelerators).
+  compute_dtype: str = "float32"
+  # chunk_kda implementation: auto | reference | xla | pallas.
+  kda_impl: str = "auto"
+  # chunk_kda chunk length (tokens).
+  kda_chunk_size: int = 64
+  # KDA gates: "ling" (full-rank, bounded gate in (-5, 0)) or "kimi"
+  # (low-rank, softplus gate).
+  kda_gate: str = "ling"
+  # Short-conv taps (tokens) per channel.
+  conv_size: int = 4
+  # MLA query latent rank (dims); 0 = a direct W_q.
+  q_lora_rank: int = 0
+  # RoPE base (Ling 3.0 uses 6e6 at 128k).
+  rope_theta: float = 10000.0
+  # True = no RoPE (Kimi Linear's MLA).
+  use_nope: bool = False
+  # Head-wise sigmoid output gate on MLA (Ling 3.0).
+  mla_output_gate: bool = False
+  # Share the embedding with the LM head.
+  tie_embeddings: bool = False
+  # E routed experts per MoE layer (kda_lm/layers/moe.py); 0 = dense FFNs.
+  num_experts: int = 0
+  # k experts per token (top-k).
+  num_experts_per_tok: int = 1
+  # Experts every token goes through.
+  num_shared_experts: int = 0
+  # Hidden width of each expert (channels); None = mlp_hidden_dim.
+  moe_intermediate_size: Optional[int] = None
+  # Leading layers that keep the dense FFN.
+  first_k_dense_replace: int = 0
+  # Multiplies the renormalised expert weights.
+  routed_scaling_factor: float = 1.0
+  # Expert groups (group-limited top-k) and groups a token may pick from.
+  n_group: int = 1
+  topk_group: int = 1
+  # Selection-bias step per update (aux-loss-free balancing; 0 = frozen).
+  router_bias_update_rate: float = 1e-3
+  # Multi-token prediction layers after the stack (layers/mtp.py); 0 = none.
+  num_mtp_layers: int = 0
+  # Weight of the MTP cross-entropy in the loss.
+  mtp_loss_scale: float = 0.1
+  # Mixer of the MTP blocks: K or M.
+  mtp_layer_kind: str = "M"
+
+  @classmethod
+  def from_config(cls, values: Any) -> "ModelConfig":
+    """`config.model` (a ConfigDict, mapping or ModelConfig) as a
+    ModelConfig."""
+    return from_config(cls, values, "model")
+
+  def __post_init__(self):
+    self._check_pattern()
+    _int_at_least(self, "model", 1, "vocab_size", "d_model", "num_heads",
+                  "head_dim", "mlp_hidden_dim", "conv_size",
+                  "kda_chunk_size")
+    for name, default in (("kda_head_v_dim", self.head_dim),
+                          ("mla_num_heads", self.num_heads)):
+      if getattr(self, name) is None:
+        _set(self, name, default)
+      _int_at_least(self, "model", 1, name)
+    if self.kda_gate not in kda.GATES:
+      raise ValueError(f"model.kda_gate must be one of {kda.GATES}, got "
+                       f"{self.kda_gate!r}.")
+    kda_api.resolve_impl(self.kda_impl)
+    mla.check_dims(num_heads=self.mla_num_heads,
+                   q_lora_rank=self.q_lora_rank,
+                   kv_lora_rank=self.kv_lora_rank,
+                   qk_nope_head_dim=self.qk_nope_head_dim,
+                   qk_rope_head_dim=self.qk_rope_head_dim,
+                   v_head_dim=self.v_head_dim, use_nope=self.use_nope)
+    for name in ("param_dtype", "compute_dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"model.{name} must be one of {DTYPES}, got "
+                         f"{getattr(self, name)!r}.")
+    if self.embed_init_std is None:
+      _set(self, "embed_init_std",
+           self.d_model ** -0.5 if self.tie_embeddings else 1.0)
+    if not (self.embed_init_std > 0 and self.rope_theta > 0
+            and self.norm_eps > 0):
+      raise ValueError("model.embed_init_std, rope_theta and norm_eps must "
+                       "be positive.")
+    self._check_moe_and_mtp()
+
+  def _check_pattern(self):
+    pattern = self.attention_pattern
+    if not isinstance(pattern, str) or not pattern:
+      raise ValueError(f"model.attention_pattern must be a non-empty string "
+                       f"of {sorted(LAYER_KINDS)}, got {pattern!r}.")
+    bad = sorted(set(pattern) - set(LAYER_KINDS))
+    if bad:
+      raise ValueError(f"model.attention_pattern {pattern!r} has invalid "
+                       f"characters {bad}; use 'K' (KDA) and 'M' (MLA).")
+
+  def _check_moe_and_mtp(self):
+    _int_at_least(self, "model", 0, "num_experts", "num_shared_experts",
+                  "first_k_dense_replace", "num_mtp_layers")
+    if self.num_experts:
+      if self.moe_intermediate_size is None:
+        _set(self, "moe_intermediate_size", self.mlp_hidden_dim)
+      _int_at_least(self, "model", 1, "moe_intermediate_size",
+                    "num_experts_per_tok", "n_group", "topk_group")
+      moe.check_dims(num_experts=self.num_experts,
+                     num_experts_per_tok=self.num_experts_per_tok,
+                     n_group=self.n_group, topk_group=self.topk_group)
+    if self.mtp_layer_kind not in LAYER_KINDS:
+      raise ValueError(f"model.mtp_layer_kind must be one of "
+                       f"{sorted(LAYER_KINDS)}, got "
+                       f"{self.mtp_layer_kind!r}.")
+    if not (self.router_bias_update_rate >= 0 and self.mtp_loss_scale >= 0):
+      raise ValueError("model.router_bias_update_rate and mtp_loss_scale "
+                       "must be >= 0.")
+
+  @property
+  def num_layers(self) -> int:
+    return len(self.attention_pattern)
+
+  def is_moe_layer(self, i: int) -> bool:
+    """Whether decoder layer `i` (0-based) has a MoE feed-forward."""
+    return bool(self.num_experts) and i >= self.first_k_dense_replace
+
+  @property
+  def has_aux_outputs(self) -> bool:
+    """The training step needs `apply(..., return_aux=True)` (MoE or MTP)."""
+    return bool(self.num_experts or self.num_mtp_layers)
+
+
+# ---------------------------------------------------------------------------
+# Training sections.
+
+
+@dataclasses.dataclass(frozen=True)
+class OptConfig:
+  """`config.opt`: AdamW, linear warmup then cosine decay, clipping."""
+  # Learning rate after warmup (per step).
+  peak_lr: float = 3e-3
+  # Linear warmup from 0 (steps).
+  warmup_steps: int = 50
+  # Warmup + cosine length (steps); None = train.num_steps.
+  decay_steps: Optional[int] = None
+  # Final lr as a fraction of peak_lr.
+  end_lr_ratio: float = 0.1
+  # Decoupled decay (fraction of lr per step); which parameters decay is
+  # `kda_lm.optimizer.weight_decay_mask`'s rule.
+  weight_decay: float = 0.1
+  # Adam moment decays and epsilon.
+  b1: float = 0.9
+  b2: float = 0.98
+  eps: float = 1e-8
+  # Global gradient-norm clip; 0 = none.
+  clip_norm: float = 1.0
+
+  def __post_init__(self):
+    if self.warmup_steps < 0 or not self.peak_lr >= 0:
+      raise ValueError("config.opt.warmup_steps and peak_lr must be >= 0.")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """`config.train`: length, logging, seed."""
+  # Optimizer steps in the run.
+  num_steps: int = 400
+  # Steps between metric rows (host syncs).
+  log_every: int = 20
+  # Parameter init / state rng seed.
+  seed: int = 0
+  # Stop once eval accuracy reaches this (fraction); None = run all steps.
+  stop_at_eval_accuracy: Optional[float] = None
+  # Also write tensorboardX event files.
+  tensorboard: bool = False
+  # Progress bar: None = on a terminal only, True/False = always/never.
+  progress_bar: Optional[bool] = None
+
+  def __post_init__(self):
+    for name in ("num_steps", "log_every"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"config.train.{name} must be >= 1, got "
+                         f"{getattr(self, name)}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """`config.eval`: periodic validation."""
+  # Steps between evals (0 = no eval).
+  every_steps: int = 50
+  # Batches per eval (data.batch_size rows each); None = the whole split.
+  num_batches: Optional[int] = None
+
+  def __post_init__(self):
+    if self.every_steps < 0:
+      raise ValueError("config.eval.every_steps must be >= 0 (0: no eval).")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """`config.checkpoint`: Orbax checkpoints in <workdir>/checkpoints."""
+  # Save and auto-resume.
+  enabled: bool = True
+  # Steps between saves (and the last step).
+  every_steps: int = 100
+  # Newest checkpoints kept.
+  max_to_keep: int = 3
+  # Write arrays in a background thread.
+  async_save: bool = True
+
+  def __post_init__(self):
+    if self.every_steps < 1:
+      raise ValueError("config.checkpoint.every_steps must be >= 1.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """`config.mesh`: devices as a (data, fsdp) mesh."""
+  # Data-parallel devices; -1 = all / fsdp.
+  data: int = -1
+  # Devices each parameter is sharded over.
+  fsdp: int = 1
+  # jax.distributed.initialize (multi-host).
+  distributed: bool = False
+  # jax.distributed.initialize arguments; None = auto-detect.
+  coordinator_address: Optional[str] = None
+  num_processes: Optional[int] = None
+  process_id: Optional[int] = None
+
+
+# The sections of a training config besides `data` (see data/pipeline.py).
+SECTIONS = {"model": ModelConfig, "opt": OptConfig, "train": TrainConfig,
+            "eval": EvalConfig, "checkpoint": CheckpointConfig,
+            "mesh": MeshConfig}
