@@ -73,5 +73,5 @@ def test_shapes_match_the_published_models():
     assert (cfg.n_group, cfg.topk_group) == (8, 4)
   with pytest.raises(ValueError, match="Unknown Ling 3.0 size"):
     ling3.model_config("huge")
-  config = ling3.get_config("flash")
-  assert np.isclose(config.model.rope_theta, 6e6)
+  flash = ling3.get_config("flash")
+  assert np.isclose(flash.model.rope_theta, 6e6)
