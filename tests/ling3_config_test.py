@@ -53,8 +53,8 @@ def test_tiny_activated_known_gap():
 def test_shapes_match_the_published_models():
   t = config.ModelConfig.from_config(ling3.model_config("tiny"))
   f = config.ModelConfig.from_config(ling3.model_config("flash"))
-  assert t["attention_pattern"] == "KKKM" * 6
-  assert f["attention_pattern"] == "KKKKKM" * 7
+  assert t.attention_pattern == "KKKM" * 6
+  assert f.attention_pattern == "KKKKKM" * 7
   for cfg, d, h, q, e, fk, ffn, dense, mtp in (
       (t, 1536, 16, 256, 128, 1, 512, 4608, 0),
       (f, 2560, 32, 0, 512, 2, 768, 6144, 1)):
