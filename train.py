@@ -34,11 +34,9 @@ def _default_workdir(config_arg: str) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}.")
-  # TF (the input pipeline) must not take accelerator memory from JAX.
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  tf.config.set_visible_devices([], "GPU")
-  from kda_lm import training  # pylint: disable=g-import-not-at-top
-  training.quiet_library_logs()
+  # pylint: disable=g-import-not-at-top
+  from kda_lm import metrics, training
+  metrics.quiet_library_logs()
   workdir = _WORKDIR.value or _default_workdir(
       config_flags.get_config_filename(flags.FLAGS["config"]))
   logging.info("Config:\n%s", _CONFIG.value)

@@ -21,10 +21,12 @@ Usage:
 """
 
 import dataclasses
+from typing import Any
 
-from etils import epath
 import numpy as np
 import tensorflow_datasets as tfds
+
+from data import builders
 
 SPLITS = ("train", "validation")
 # Configs by name: TFDS accepts a config named like a registered one only if
@@ -32,36 +34,96 @@ SPLITS = ("train", "validation")
 _CONFIGS = {}
 
 
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """The `config.data` fields of the delayed_copy dataset, validated.
+
+  The one home of the dataset's defaults; `builder_config` turns them into
+  the TFDS builder config.
+  """
+  vocab_size: int = 256           # Token ids lie in [0, vocab_size).
+  delay: int = 8                  # t[i] = t[i - delay] (tokens), >= 1.
+  min_len: int = 16               # Shortest document (tokens), >= 2.
+  max_len: int = 512              # Longest document (tokens), >= min_len.
+  num_train_docs: int = 10_000    # Documents in the `train` split.
+  num_eval_docs: int = 500        # Documents in the `validation` split.
+  dataset_seed: int = 0           # Generator seed: the data itself.
+
+  # Features each document carries into the pipeline.
+  FEATURES = ("tokens", "loss_mask")
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"delayed_copy {f.name} must be an int, got "
+                         f"{value!r}.")
+      object.__setattr__(self, f.name, int(value))
+    if not 2 <= self.vocab_size <= 2**31 - 1:
+      raise ValueError(f"delayed_copy vocab_size must be in [2, 2**31), got "
+                       f"{self.vocab_size}.")
+    if self.delay < 1:
+      raise ValueError(f"delayed_copy delay must be >= 1, got {self.delay}.")
+    if self.min_len < 2 or self.max_len < self.min_len:
+      raise ValueError(f"delayed_copy needs 2 <= min_len <= max_len, got "
+                       f"min_len={self.min_len}, max_len={self.max_len}.")
+    if self.num_train_docs < 1 or self.num_eval_docs < 1:
+      raise ValueError(
+          f"delayed_copy needs num_train_docs >= 1 and num_eval_docs >= 1, "
+          f"got {self.num_train_docs} and {self.num_eval_docs}.")
+    if self.dataset_seed < 0:
+      raise ValueError(f"delayed_copy seed must be >= 0, got "
+                       f"{self.dataset_seed}.")
+
+  def data_vocab_size(self) -> int:
+    return self.vocab_size
+
+  def mean_length(self, info: Any, split: str) -> float:
+    """Mean document length (tokens), for the packing window."""
+    del info, split
+    return (self.min_len + self.max_len) / 2
+
+  def builder_config(self) -> "DelayedCopyConfig":
+    """The TFDS builder config, named after the values; equal settings give
+    the same object."""
+    name = (f"v{self.vocab_size}_d{self.delay}_l{self.min_len}-"
+            f"{self.max_len}_n{self.num_train_docs}-{self.num_eval_docs}_"
+            f"s{self.dataset_seed}")
+    if name not in _CONFIGS:
+      _CONFIGS[name] = DelayedCopyConfig(
+          name=name,
+          description=(f"vocab {self.vocab_size}, delay {self.delay}, "
+                       f"lengths {self.min_len}..{self.max_len}, "
+                       f"{self.num_train_docs} train / {self.num_eval_docs} "
+                       f"validation documents, seed {self.dataset_seed}"),
+          vocab_size=self.vocab_size, delay=self.delay,
+          min_len=self.min_len, max_len=self.max_len,
+          num_train_docs=self.num_train_docs,
+          num_eval_docs=self.num_eval_docs, seed=self.dataset_seed)
+    return _CONFIGS[name]
+
+
 @dataclasses.dataclass(eq=False)
 class DelayedCopyConfig(tfds.core.BuilderConfig):
-  """Config of the `delayed_copy` dataset; build it with `make_config`."""
-  vocab_size: int = 256
-  delay: int = 8
-  min_len: int = 16
-  max_len: int = 512
-  num_train_docs: int = 10_000
-  num_eval_docs: int = 500
-  seed: int = 0
+  """TFDS config of the `delayed_copy` dataset; build it with `make_config`
+  (defaults: `Settings`)."""
+  vocab_size: int = Settings.vocab_size
+  delay: int = Settings.delay
+  min_len: int = Settings.min_len
+  max_len: int = Settings.max_len
+  num_train_docs: int = Settings.num_train_docs
+  num_eval_docs: int = Settings.num_eval_docs
+  seed: int = Settings.dataset_seed
 
 
-def make_config(*,
-                vocab_size: int = 256,
-                delay: int = 8,
-                min_len: int = 16,
-                max_len: int = 512,
-                num_train_docs: int = 10_000,
-                num_eval_docs: int = 500,
-                seed: int = 0) -> DelayedCopyConfig:
+def make_config(*, seed: int = Settings.dataset_seed,
+                **kwargs: int) -> DelayedCopyConfig:
   """Returns a validated config named after its values.
 
   Args:
-    vocab_size: number of token ids, tokens lie in `[0, vocab_size)`.
-    delay: copy distance, >= 1.
-    min_len: shortest document (tokens), >= 2.
-    max_len: longest document (tokens), >= min_len.
-    num_train_docs: documents in the `train` split, >= 1.
-    num_eval_docs: documents in the `validation` split, >= 1.
     seed: seed of the generator; each split is deterministic in it.
+    **kwargs: the other fields of `Settings` (`vocab_size`, `delay`,
+      `min_len`, `max_len`, `num_train_docs`, `num_eval_docs`).
 
   Returns:
     A `DelayedCopyConfig`; equal settings give the same object.
@@ -69,37 +131,7 @@ def make_config(*,
   Raises:
     ValueError: a value out of range.
   """
-  values = dict(vocab_size=vocab_size, delay=delay, min_len=min_len,
-                max_len=max_len, num_train_docs=num_train_docs,
-                num_eval_docs=num_eval_docs, seed=seed)
-  for key, value in values.items():
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-      raise ValueError(f"delayed_copy {key} must be an int, got {value!r}.")
-  if not 2 <= vocab_size <= 2**31 - 1:
-    raise ValueError(f"delayed_copy vocab_size must be in [2, 2**31), got "
-                     f"{vocab_size}.")
-  if delay < 1:
-    raise ValueError(f"delayed_copy delay must be >= 1, got {delay}.")
-  if min_len < 2 or max_len < min_len:
-    raise ValueError(f"delayed_copy needs 2 <= min_len <= max_len, got "
-                     f"min_len={min_len}, max_len={max_len}.")
-  if num_train_docs < 1 or num_eval_docs < 1:
-    raise ValueError(
-        f"delayed_copy needs num_train_docs >= 1 and num_eval_docs >= 1, got "
-        f"{num_train_docs} and {num_eval_docs}.")
-  if seed < 0:
-    raise ValueError(f"delayed_copy seed must be >= 0, got {seed}.")
-  name = (f"v{vocab_size}_d{delay}_l{min_len}-{max_len}_"
-          f"n{num_train_docs}-{num_eval_docs}_s{seed}")
-  if name in _CONFIGS:
-    return _CONFIGS[name]
-  _CONFIGS[name] = DelayedCopyConfig(
-      name=name,
-      description=(f"vocab {vocab_size}, delay {delay}, lengths "
-                   f"{min_len}..{max_len}, {num_train_docs} train / "
-                   f"{num_eval_docs} validation documents, seed {seed}"),
-      **{k: int(v) for k, v in values.items()})
-  return _CONFIGS[name]
+  return Settings(dataset_seed=seed, **kwargs).builder_config()
 
 
 def generate(config: DelayedCopyConfig, split: str):
@@ -130,33 +162,14 @@ def generate(config: DelayedCopyConfig, split: str):
     yield i, {"tokens": tokens, "loss_mask": loss_mask}
 
 
-class DelayedCopy(tfds.core.GeneratorBasedBuilder):
+class DelayedCopy(builders.LocalBuilder):
   """Delayed-copy documents: t[i] = t[i - delay] after i.i.d. heads."""
 
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "Initial release."}
   BUILDER_CONFIGS = [make_config()]
 
-  @tfds.core.utils.classproperty
-  @classmethod
-  def code_path(cls) -> epath.Path:
-    # TFDS's own lookup needs the `importlib_resources` backport for modules
-    # inside a package; the file path is all it uses it for.
-    return epath.Path(__file__)
-
-  def _info(self) -> tfds.core.DatasetInfo:
-    return tfds.core.DatasetInfo(
-        builder=self,
-        description=__doc__.split("\n\n")[1],
-        features=tfds.features.FeaturesDict({
-            "tokens": tfds.features.Tensor(
-                shape=(None,), dtype=np.int32,
-                encoding=tfds.features.Encoding.BYTES),
-            "loss_mask": tfds.features.Tensor(
-                shape=(None,), dtype=np.bool_,
-                encoding=tfds.features.Encoding.BYTES),
-        }),
-    )
+  def _features(self) -> dict[str, Any]:
+    return {"tokens": builders.tensor(np.int32),
+            "loss_mask": builders.tensor(np.bool_)}
 
   def _split_generators(self, dl_manager):
     del dl_manager  # Nothing is downloaded.

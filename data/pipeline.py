@@ -7,7 +7,7 @@ Interface used by the training code:
   vocab = pipeline.vocab_size(config.data)         # 256 for text_files
   train_it = pipeline.make_train_iterator(config.data, workdir=workdir)
   batch = next(train_it)
-  train_it.save(ckpt_dir)      # or pipeline.save_iterator(train_it, ckpt_dir)
+  train_it.save(ckpt_dir)
   train_it.restore(ckpt_dir)   # the next batch is exactly the one after save
   for batch in pipeline.make_eval_iterator(config.data, workdir=workdir):
     ...                        # validation split, finite, deterministic
@@ -19,21 +19,16 @@ int32 `inputs`, `targets`, `segment_ids` (1..n per document piece in a row,
 `loss_mask` (0 on padding and on unpredictable targets). See
 `data/packing.py` for the exact row layout.
 
-`config.data` fields (see `default_config`):
-
-* `name`: "delayed_copy" or "text_files".
-* `data_dir`: where TFDS builds and finds the datasets; None means
-  `<workdir>/tfds`. Datasets are built on first use, offline.
-* `seq_len`, `batch_size` (global, over all processes).
-* `seed`: shuffling seed of the training stream.
-* `reset_at_document_boundaries`: per-document segment ids/positions (True)
-  or one running segment per row (False).
-* `shuffle_buffer`: documents in the shuffle buffer (0: no shuffling).
-* `pack_window_rows`: rows' worth of tokens packed together (fill vs memory).
-* delayed_copy: `vocab_size`, `delay`, `min_len`, `max_len`,
-  `num_train_docs`, `num_eval_docs`, `dataset_seed` (the data itself).
-* text_files: `glob` ("" = the standard library's .py files),
-  `validation_percent`. The vocabulary is the 256 byte values.
+`config.data` is one flat section: the fields of `DataConfig` (dataset
+`name`, `data_dir`, `seq_len`, global `batch_size`, shuffle `seed`,
+`reset_at_document_boundaries`, `shuffle_buffer`, `pack_window_rows`) and
+those of every dataset's `Settings` (`data/delayed_copy.py`:
+`vocab_size`, `delay`, `min_len`, `max_len`, `num_train_docs`,
+`num_eval_docs`, `dataset_seed`; `data/text_files.py`: `glob`,
+`validation_percent`). `DataConfig.from_config` reads it once, validated; a
+new dataset is a module with a `Settings` class and an entry in `DATASETS`.
+Datasets are built on first use, offline, under `data_dir` (None:
+`<workdir>/tfds`).
 
 Training stream: the process's shard of the train split (TFDS even split by
 `jax.process_index()/process_count()`), shuffled with `seed` (a new order each
@@ -46,8 +41,9 @@ order, packed and batched; its last batch is padded with empty rows
 batches so that all processes run the same number of eval steps.
 """
 
+import dataclasses
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from absl import logging
 import ml_collections
@@ -56,51 +52,88 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from data import delayed_copy, packing, text_files
+from kda_lm import config as config_lib
 
-DATASETS = ("delayed_copy", "text_files")
+# The datasets by `config.data.name`: each module's `Settings` dataclass
+# holds its `config.data` fields, defaults and validation, its vocabulary,
+# features, mean document length and TFDS builder config.
+DATASETS = {"delayed_copy": delayed_copy.Settings,
+            "text_files": text_files.Settings}
 _PREFETCH_BATCHES = 2
 _MAX_WINDOW_DOCS = 1 << 16
 
 
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """`config.data`, typed: the pipeline's fields and the named dataset's
+  `Settings` (read from the same flat section)."""
+  name: str = "delayed_copy"      # Dataset: a key of DATASETS.
+  # TFDS build/cache dir; None = <workdir>/tfds.
+  data_dir: Optional[str] = None
+  seq_len: int = 1024             # Tokens per packed row.
+  batch_size: int = 8             # Rows per step, global (all processes).
+  seed: int = 0                   # Shuffle seed of the training stream.
+  # Per-document segment ids/resets (True) or one segment per row (False).
+  reset_at_document_boundaries: bool = True
+  shuffle_buffer: int = 1024      # Documents in the shuffle buffer.
+  pack_window_rows: int = 64      # Rows' worth of documents packed together.
+  # The named dataset's settings (not a config key; see `from_config`).
+  dataset: Any = dataclasses.field(default=None, compare=False,
+                                   metadata=config_lib.NOT_A_KEY)
+
+  def __post_init__(self):
+    if self.name not in DATASETS:
+      raise ValueError(f"Unknown dataset name {self.name!r}; known: "
+                       f"{tuple(DATASETS)}.")
+    if self.dataset is None:
+      object.__setattr__(self, "dataset", DATASETS[self.name]())
+
+  @classmethod
+  def from_config(cls, values: Any) -> "DataConfig":
+    """Reads `config.data` (ConfigDict, mapping or DataConfig).
+
+    Missing keys and None values take the defaults; the fields of datasets
+    other than the named one are allowed and ignored.
+
+    Raises:
+      ValueError: an unknown key or dataset name, or a bad value.
+    """
+    if isinstance(values, cls):
+      return values
+    config_lib.check_keys("data", values, set(keys()))
+    given = {k: values[k] for k in values.keys() if values[k] is not None}
+    name = given.get("name", cls.name)
+    if name not in DATASETS:
+      raise ValueError(f"Unknown dataset name {name!r}; known: "
+                       f"{tuple(DATASETS)}.")
+    settings = DATASETS[name]
+    dataset = settings(**{k: given[k] for k in config_lib.field_names(settings)
+                          if k in given})
+    return cls(dataset=dataset, **{k: given[k] for k in
+                                   config_lib.field_names(cls) if k in given})
+
+  def vocab_size(self) -> int:
+    """The number of token ids of the named dataset."""
+    return self.dataset.data_vocab_size()
+
+
+def keys() -> list[str]:
+  """Every key of `config.data`: the pipeline's, then each dataset's."""
+  out = list(config_lib.field_names(DataConfig))
+  for settings in DATASETS.values():
+    out += [k for k in config_lib.field_names(settings) if k not in out]
+  return out
+
+
 def default_config() -> ml_collections.ConfigDict:
-  """Returns the default `config.data`."""
-  config = ml_collections.ConfigDict()
-  config.name = "delayed_copy"
-  config.data_dir = ml_collections.FieldReference(None, field_type=str)
-  config.seq_len = 1024
-  config.batch_size = 8
-  config.seed = 0
-  config.reset_at_document_boundaries = True
-  config.shuffle_buffer = 1024
-  config.pack_window_rows = 64
-  # delayed_copy.
-  config.vocab_size = 256
-  config.delay = 8
-  config.min_len = 16
-  config.max_len = 512
-  config.num_train_docs = 10_000
-  config.num_eval_docs = 500
-  config.dataset_seed = 0
-  # text_files.
-  config.glob = ""
-  config.validation_percent = 5
+  """Returns the default `config.data` (every key of every dataset)."""
+  config = config_lib.config_dict(DataConfig)
+  for settings in DATASETS.values():
+    config.update(config_lib.config_dict(settings))
   return config
 
 
-def _get(config: Any, key: str, default: Any = None) -> Any:
-  value = config.get(key, default) if hasattr(config, "get") else getattr(
-      config, key, default)
-  return default if value is None else value
-
-
-def _check_name(config: Any) -> str:
-  name = _get(config, "name")
-  if name not in DATASETS:
-    raise ValueError(f"Unknown dataset name {name!r}; known: {DATASETS}.")
-  return name
-
-
-def vocab_size(config: ml_collections.ConfigDict) -> int:
+def vocab_size(config: Any) -> int:
   """Returns the vocabulary size of the configured dataset.
 
   Args:
@@ -112,39 +145,19 @@ def vocab_size(config: ml_collections.ConfigDict) -> int:
   Raises:
     ValueError: unknown dataset name.
   """
-  if _check_name(config) == "text_files":
-    return text_files.VOCAB_SIZE
-  return int(config.vocab_size)
+  return DataConfig.from_config(config).vocab_size()
 
 
-def builder_config(config: ml_collections.ConfigDict
-                   ) -> tfds.core.BuilderConfig:
+def builder_config(config: Any) -> tfds.core.BuilderConfig:
   """Returns the TFDS builder config that `config.data` describes.
-
-  Args:
-    config: `config.data`.
-
-  Returns:
-    A `DelayedCopyConfig` or `TextFilesConfig`.
 
   Raises:
     ValueError: unknown dataset name, bad values, or an empty glob.
   """
-  name = _check_name(config)
-  if name == "delayed_copy":
-    return delayed_copy.make_config(
-        vocab_size=config.vocab_size, delay=config.delay,
-        min_len=config.min_len, max_len=config.max_len,
-        num_train_docs=config.num_train_docs,
-        num_eval_docs=config.num_eval_docs,
-        seed=_get(config, "dataset_seed", 0))
-  return text_files.make_config(
-      glob=_get(config, "glob", ""),
-      validation_percent=_get(config, "validation_percent", 5))
+  return DataConfig.from_config(config).dataset.builder_config()
 
 
-def resolve_data_dir(config: ml_collections.ConfigDict,
-                     workdir: str | None = None,
+def resolve_data_dir(config: Any, workdir: str | None = None,
                      data_dir: str | None = None) -> str:
   """Returns the absolute TFDS data dir.
 
@@ -159,14 +172,16 @@ def resolve_data_dir(config: ml_collections.ConfigDict,
   Raises:
     ValueError: none of the three is given.
   """
-  path = data_dir or _get(config, "data_dir") or (
+  path = data_dir or DataConfig.from_config(config).data_dir or (
       os.path.join(workdir, "tfds") if workdir else None)
   if not path:
     raise ValueError("No data dir: set config.data.data_dir or pass workdir.")
   return os.path.abspath(os.path.expanduser(path))
 
 
-def _hide_gpus_from_tf() -> None:
+def hide_gpus_from_tf() -> None:
+  """Keeps TF (the input pipeline) off the accelerators, whose memory is
+  JAX's. The only place that does; called before any TF dataset is built."""
   try:
     tf.config.set_visible_devices([], "GPU")
   except RuntimeError:  # TF devices already initialised; nothing to change.
@@ -186,7 +201,7 @@ def _process(process_index: int | None, process_count: int | None
   return process_index, process_count
 
 
-def load_documents(config: ml_collections.ConfigDict,
+def load_documents(config: Any,
                    split: str,
                    *,
                    data_dir: str,
@@ -203,46 +218,34 @@ def load_documents(config: ml_collections.ConfigDict,
     process_count: number of shards.
 
   Returns:
-    (documents, info): a dataset of dicts with `tokens` (int [L]) and, for
-    delayed_copy, `loss_mask` (bool [L]), in file order; the TFDS info.
+    (documents, info): a dataset of dicts with the dataset's `FEATURES`
+    (`tokens` int [L] and, for delayed_copy, `loss_mask` bool [L]), in file
+    order; the TFDS info.
 
   Raises:
     ValueError: unknown dataset name or split, bad builder config values.
   """
   if split not in ("train", "validation"):
     raise ValueError(f"Unknown split {split!r}; use 'train' or 'validation'.")
-  _hide_gpus_from_tf()
-  name = _check_name(config)
-  bconfig = builder_config(config)
+  hide_gpus_from_tf()
+  cfg = DataConfig.from_config(config)
   sub_split = tfds.even_splits(split, n=process_count)[process_index]
   tfds.disable_progress_bar()
   documents, info = tfds.load(
-      name,
+      cfg.name,
       split=sub_split,
       data_dir=data_dir,
       download=True,
       shuffle_files=False,
       with_info=True,
-      builder_kwargs={"config": bconfig, "file_format": "tfrecord"},
+      builder_kwargs={"config": cfg.dataset.builder_config(),
+                      "file_format": "tfrecord"},
       # No in-memory cache: it would be written into iterator checkpoints.
       read_config=tfds.ReadConfig(try_autocache=False),
   )
-  keys = ("tokens", "loss_mask") if name == "delayed_copy" else ("tokens",)
-  documents = documents.map(lambda d: {k: d[k] for k in keys})
+  features = cfg.dataset.FEATURES
+  documents = documents.map(lambda d: {k: d[k] for k in features})
   return documents, info
-
-
-def _window_size(config: ml_collections.ConfigDict, info: Any, split: str,
-                 seq_len: int) -> int:
-  """Documents per packing window: about `pack_window_rows` rows of tokens."""
-  if config.name == "delayed_copy":
-    mean_len = (config.min_len + config.max_len) / 2
-  else:
-    split_info = info.splits[split]
-    mean_len = split_info.num_bytes / max(split_info.num_examples, 1)
-  rows = _get(config, "pack_window_rows", 64)
-  window = int(round(rows * seq_len / max(mean_len, 1.0)))
-  return int(np.clip(window, 1, _MAX_WINDOW_DOCS))
 
 
 def _options() -> tf.data.Options:
@@ -311,16 +314,6 @@ class DataIterator:
         prefix).assert_consumed()
 
 
-def save_iterator(iterator: DataIterator, directory: str) -> str:
-  """Saves a train iterator's position; see `DataIterator.save`."""
-  return iterator.save(directory)
-
-
-def restore_iterator(iterator: DataIterator, directory: str) -> None:
-  """Restores a train iterator's position; see `DataIterator.restore`."""
-  iterator.restore(directory)
-
-
 class EvalIterable:
   """Re-iterable finite eval stream; each `iter()` starts from the start."""
 
@@ -333,40 +326,75 @@ class EvalIterable:
       yield _numpy(batch)
 
 
-def _resolve(config, batch_size, seq_len, process_index, process_count):
-  """Returns (seq_len, per-process batch, process_index, process_count)."""
-  seq_len = int(_get(config, "seq_len") if seq_len is None else seq_len)
-  batch_size = int(
-      _get(config, "batch_size") if batch_size is None else batch_size)
+@dataclasses.dataclass(frozen=True)
+class _Stream:
+  """One process's packed rows of a split, before batching."""
+  cfg: DataConfig
+  rows: tf.data.Dataset
+  seq_len: int
+  local_batch: int
+  process_index: int
+  process_count: int
+
+
+def _stream(config: Any, split: str, *, shuffle_seed: int | None = None,
+            workdir: str | None = None, data_dir: str | None = None,
+            batch_size: int | None = None, seq_len: int | None = None,
+            process_index: int | None = None,
+            process_count: int | None = None) -> _Stream:
+  """Loads, (for training) shuffles and repeats, and packs one split.
+
+  Args:
+    config: `config.data`.
+    split: "train" or "validation".
+    shuffle_seed: shuffle (a new order each epoch) and repeat forever with
+      this seed; None = file order, once.
+    workdir: run workdir (the default data dir is `<workdir>/tfds`).
+    data_dir: overrides `config.data_dir`.
+    batch_size: global batch size; default `config.batch_size`.
+    seq_len: row length; default `config.seq_len`.
+    process_index: default `jax.process_index()`.
+    process_count: default `jax.process_count()`.
+  """
+  cfg = DataConfig.from_config(config)
+  seq_len = int(cfg.seq_len if seq_len is None else seq_len)
+  batch_size = int(cfg.batch_size if batch_size is None else batch_size)
   if seq_len < 2:
     raise ValueError(f"seq_len must be >= 2, got {seq_len}.")
   process_index, process_count = _process(process_index, process_count)
   if batch_size < 1 or batch_size % process_count:
     raise ValueError(f"The global batch_size {batch_size} must be a positive "
                      f"multiple of the process count {process_count}.")
-  return seq_len, batch_size // process_count, process_index, process_count
+  documents, info = load_documents(
+      cfg, split, data_dir=resolve_data_dir(cfg, workdir, data_dir),
+      process_index=process_index, process_count=process_count)
+  if shuffle_seed is not None:
+    if cfg.shuffle_buffer > 0:
+      documents = documents.shuffle(cfg.shuffle_buffer, seed=shuffle_seed,
+                                    reshuffle_each_iteration=True)
+    documents = documents.repeat()
+  # Documents per packing window: about `pack_window_rows` rows of tokens.
+  window = cfg.pack_window_rows * seq_len / max(
+      cfg.dataset.mean_length(info, split), 1.0)
+  rows = packing.pack_documents(
+      documents, seq_len,
+      reset_at_document_boundaries=bool(cfg.reset_at_document_boundaries),
+      window_size=int(np.clip(int(round(window)), 1, _MAX_WINDOW_DOCS)),
+      num_parallel_calls=(tf.data.AUTOTUNE if shuffle_seed is not None
+                          else None))
+  return _Stream(cfg, rows, seq_len, batch_size // process_count,
+                 process_index, process_count)
 
 
-def make_train_iterator(config: ml_collections.ConfigDict,
-                        *,
-                        workdir: str | None = None,
-                        data_dir: str | None = None,
-                        batch_size: int | None = None,
-                        seq_len: int | None = None,
-                        seed: int | None = None,
-                        process_index: int | None = None,
-                        process_count: int | None = None) -> DataIterator:
+def make_train_iterator(config: Any, *, seed: int | None = None,
+                        **kwargs) -> DataIterator:
   """Returns the infinite, shuffled, packed training stream of this process.
 
   Args:
     config: `config.data`.
-    workdir: run workdir (the default data dir is `<workdir>/tfds`).
-    data_dir: overrides `config.data_dir`.
-    batch_size: global batch size; default `config.batch_size`.
-    seq_len: row length; default `config.seq_len`.
     seed: shuffle seed; default `config.seed`.
-    process_index: default `jax.process_index()`.
-    process_count: default `jax.process_count()`.
+    **kwargs: `workdir`, `data_dir`, `batch_size`, `seq_len`,
+      `process_index`, `process_count` (see `_stream`).
 
   Returns:
     A `DataIterator` of `[batch_size // process_count, seq_len]` batches.
@@ -375,32 +403,17 @@ def make_train_iterator(config: ml_collections.ConfigDict,
     ValueError: unknown dataset, empty glob, `seq_len < 2`, a batch size that
       the process count does not divide, or no data dir.
   """
-  _check_name(config)
-  seq_len, local_batch, process_index, process_count = _resolve(
-      config, batch_size, seq_len, process_index, process_count)
-  seed = int(_get(config, "seed", 0) if seed is None else seed)
-  documents, info = load_documents(
-      config, "train", data_dir=resolve_data_dir(config, workdir, data_dir),
-      process_index=process_index, process_count=process_count)
-  shuffle_buffer = int(_get(config, "shuffle_buffer", 0))
-  if shuffle_buffer > 0:
-    documents = documents.shuffle(shuffle_buffer, seed=seed,
-                                  reshuffle_each_iteration=True)
-  documents = documents.repeat()
-  rows = packing.pack_documents(
-      documents, seq_len,
-      reset_at_document_boundaries=bool(
-          _get(config, "reset_at_document_boundaries", True)),
-      window_size=_window_size(config, info, "train", seq_len),
-      num_parallel_calls=tf.data.AUTOTUNE)
-  dataset = rows.batch(local_batch, drop_remainder=True).prefetch(
+  cfg = DataConfig.from_config(config)
+  s = _stream(cfg, "train", shuffle_seed=int(cfg.seed if seed is None
+                                             else seed), **kwargs)
+  dataset = s.rows.batch(s.local_batch, drop_remainder=True).prefetch(
       _PREFETCH_BATCHES).with_options(_options())
   logging.info("Train data: %s, seq_len %d, %d rows per process batch, "
-               "process %d of %d.", config.name, seq_len, local_batch,
-               process_index, process_count)
-  return DataIterator(dataset, vocab_size=vocab_size(config),
-                      process_index=process_index,
-                      process_count=process_count)
+               "process %d of %d.", cfg.name, s.seq_len, s.local_batch,
+               s.process_index, s.process_count)
+  return DataIterator(dataset, vocab_size=cfg.vocab_size(),
+                      process_index=s.process_index,
+                      process_count=s.process_count)
 
 
 def _pad_batch(batch: dict[str, tf.Tensor], size: int
@@ -410,27 +423,15 @@ def _pad_batch(batch: dict[str, tf.Tensor], size: int
           for key, value in batch.items()}
 
 
-def make_eval_iterator(config: ml_collections.ConfigDict,
-                       *,
-                       workdir: str | None = None,
-                       data_dir: str | None = None,
-                       batch_size: int | None = None,
-                       seq_len: int | None = None,
-                       num_batches: int | None = None,
-                       process_index: int | None = None,
-                       process_count: int | None = None) -> EvalIterable:
+def make_eval_iterator(config: Any, *, num_batches: int | None = None,
+                       **kwargs) -> EvalIterable:
   """Returns the finite, deterministic, packed validation stream.
 
   Args:
     config: `config.data`.
-    workdir: run workdir (the default data dir is `<workdir>/tfds`).
-    data_dir: overrides `config.data_dir`.
-    batch_size: global batch size; default `config.batch_size`.
-    seq_len: row length; default `config.seq_len`.
     num_batches: if set, exactly this many batches: the stream is cut, or
       padded with empty batches (all zeros, `loss_mask` 0).
-    process_index: default `jax.process_index()`.
-    process_count: default `jax.process_count()`.
+    **kwargs: as for `make_train_iterator`.
 
   Returns:
     An `EvalIterable` of `[batch_size // process_count, seq_len]` batches.
@@ -438,51 +439,15 @@ def make_eval_iterator(config: ml_collections.ConfigDict,
   Raises:
     ValueError: as `make_train_iterator`, or `num_batches < 0`.
   """
-  _check_name(config)
-  seq_len, local_batch, process_index, process_count = _resolve(
-      config, batch_size, seq_len, process_index, process_count)
   if num_batches is not None and num_batches < 0:
     raise ValueError(f"num_batches must be >= 0, got {num_batches}.")
-  documents, info = load_documents(
-      config, "validation",
-      data_dir=resolve_data_dir(config, workdir, data_dir),
-      process_index=process_index, process_count=process_count)
-  rows = packing.pack_documents(
-      documents, seq_len,
-      reset_at_document_boundaries=bool(
-          _get(config, "reset_at_document_boundaries", True)),
-      window_size=_window_size(config, info, "validation", seq_len))
-  dataset = rows.batch(local_batch).map(lambda b: _pad_batch(b, local_batch))
+  s = _stream(config, "validation", **kwargs)
+  size = s.local_batch
+  dataset = s.rows.batch(size).map(lambda b: _pad_batch(b, size))
   if num_batches is not None:
-    empty = {
-        key: tf.zeros([local_batch, seq_len], dtype)
-        for key, dtype in packing.FEATURES.items()
-    }
+    empty = {key: tf.zeros([size, s.seq_len], dtype)
+             for key, dtype in packing.FEATURES.items()}
     dataset = dataset.concatenate(
         tf.data.Dataset.from_tensors(empty).repeat()).take(num_batches)
   dataset = dataset.prefetch(_PREFETCH_BATCHES).with_options(_options())
-  return EvalIterable(dataset, vocab_size=vocab_size(config))
-
-
-def make_iterator(config: ml_collections.ConfigDict,
-                  *,
-                  split: str = "train",
-                  **kwargs) -> DataIterator | EvalIterable:
-  """Dispatches to `make_train_iterator` or `make_eval_iterator`.
-
-  Args:
-    config: `config.data`.
-    split: "train" (infinite, shuffled) or "validation" (finite).
-    **kwargs: passed on.
-
-  Returns:
-    The iterator.
-
-  Raises:
-    ValueError: unknown split, or as the functions dispatched to.
-  """
-  if split == "train":
-    return make_train_iterator(config, **kwargs)
-  if split == "validation":
-    return make_eval_iterator(config, **kwargs)
-  raise ValueError(f"Unknown split {split!r}; use 'train' or 'validation'.")
+  return EvalIterable(dataset, vocab_size=s.cfg.vocab_size())

@@ -29,10 +29,12 @@ import glob as glob_lib
 import hashlib
 import os
 import sysconfig
+from typing import Any
 
-from etils import epath
 import numpy as np
 import tensorflow_datasets as tfds
+
+from data import builders
 
 SPLITS = ("train", "validation")
 VOCAB_SIZE = 256
@@ -115,16 +117,48 @@ def split_files(files: list[tuple[str, str]], validation_percent: int
           "validation": by_name(ranked[:num_val])}
 
 
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """The `config.data` fields of the text_files dataset, validated (the one
+  home of its defaults)."""
+  glob: str = ""                  # Files ("" = the stdlib's .py files).
+  validation_percent: int = 5     # % of files for validation, in [1, 99].
+
+  # Features each document carries into the pipeline.
+  FEATURES = ("tokens",)
+
+  def __post_init__(self):
+    if not isinstance(self.validation_percent, int) or not (
+        1 <= self.validation_percent <= 99):
+      raise ValueError(f"text_files validation_percent must be an int in "
+                       f"[1, 99], got {self.validation_percent!r}.")
+
+  def data_vocab_size(self) -> int:
+    return VOCAB_SIZE
+
+  def mean_length(self, info: Any, split: str) -> float:
+    """Mean document length (bytes) of a split, for the packing window."""
+    split_info = info.splits[split]
+    return split_info.num_bytes / max(split_info.num_examples, 1)
+
+  def builder_config(self) -> "TextFilesConfig":
+    """The TFDS builder config for the files matching `glob`, named after
+    them (see `make_config`)."""
+    return make_config(glob=self.glob,
+                       validation_percent=self.validation_percent)
+
+
 @dataclasses.dataclass(eq=False)
 class TextFilesConfig(tfds.core.BuilderConfig):
-  """Config of the `text_files` dataset; build it with `make_config`."""
-  glob: str = ""
-  validation_percent: int = 5
+  """TFDS config of the `text_files` dataset; build it with `make_config`."""
+  glob: str = Settings.glob
+  validation_percent: int = Settings.validation_percent
   exclude_installed: bool = True
 
 
 def make_config(*, glob: str | None = None,
-                validation_percent: int = 5) -> TextFilesConfig:
+                validation_percent: int = Settings.validation_percent
+                ) -> TextFilesConfig:
   """Returns a config for the files matching `glob`, named after them.
 
   Args:
@@ -138,10 +172,7 @@ def make_config(*, glob: str | None = None,
   Raises:
     ValueError: the glob matches fewer than 2 files, or a bad percentage.
   """
-  if not isinstance(validation_percent, int) or not (
-      1 <= validation_percent <= 99):
-    raise ValueError(f"text_files validation_percent must be an int in "
-                     f"[1, 99], got {validation_percent!r}.")
+  Settings(glob=glob or "", validation_percent=validation_percent)
   exclude_installed = not glob
   pattern = os.path.expanduser(glob) if glob else default_glob()
   files = list_files(pattern, exclude_installed=exclude_installed)
@@ -161,32 +192,15 @@ def make_config(*, glob: str | None = None,
       exclude_installed=exclude_installed)
 
 
-class TextFiles(tfds.core.GeneratorBasedBuilder):
+class TextFiles(builders.LocalBuilder):
   """Byte-level documents, one per local file matched by a glob."""
 
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "Initial release."}
   BUILDER_CONFIGS = [TextFilesConfig(name="stdlib",
                                      description="standard library .py")]
 
-  @tfds.core.utils.classproperty
-  @classmethod
-  def code_path(cls) -> epath.Path:
-    # TFDS's own lookup needs the `importlib_resources` backport for modules
-    # inside a package; the file path is all it uses it for.
-    return epath.Path(__file__)
-
-  def _info(self) -> tfds.core.DatasetInfo:
-    return tfds.core.DatasetInfo(
-        builder=self,
-        description=__doc__.split("\n\n")[1],
-        features=tfds.features.FeaturesDict({
-            "tokens": tfds.features.Tensor(
-                shape=(None,), dtype=np.uint8,
-                encoding=tfds.features.Encoding.BYTES),
-            "path": tfds.features.Text(),
-        }),
-    )
+  def _features(self) -> dict[str, Any]:
+    return {"tokens": builders.tensor(np.uint8),
+            "path": tfds.features.Text()}
 
   def _split_generators(self, dl_manager):
     del dl_manager  # Nothing is downloaded.

@@ -128,7 +128,7 @@ def _cell(result: dict[str, Any]) -> str:
 
 def main(argv):
   del argv
-  training.quiet_library_logs()
+  metrics.quiet_library_logs()
   data_dir = os.path.join(_WORKDIR.value, "tfds")
   common = dict(num_steps=_NUM_STEPS.value, eval_every=_EVAL_EVERY.value,
                 target=_TARGET.value,

@@ -47,7 +47,7 @@ def config_dict(cls: type) -> ml_collections.ConfigDict:
   them.
   """
   out = ml_collections.ConfigDict()
-  for f in dataclasses.fields(cls):
+  for f in _key_fields(cls):
     value = f.default
     if value is dataclasses.MISSING or value is None:
       value = ml_collections.FieldReference(
@@ -56,8 +56,18 @@ def config_dict(cls: type) -> ml_collections.ConfigDict:
   return out
 
 
+# Field metadata of a dataclass field that is not a config key.
+NOT_A_KEY = {"config_key": False}
+
+
+def _key_fields(cls: type) -> list[dataclasses.Field]:
+  return [f for f in dataclasses.fields(cls)
+          if f.metadata.get("config_key", True)]
+
+
 def field_names(cls: type) -> tuple[str, ...]:
-  return tuple(f.name for f in dataclasses.fields(cls))
+  """The config keys of a section's dataclass: its fields, in order."""
+  return tuple(f.name for f in _key_fields(cls))
 
 
 def check_keys(section: str, values: Any, known: set[str], *,
@@ -111,7 +121,7 @@ def from_config(cls: type[T], values: Any, section: str, *,
     return values
   check_keys(section, values, set(field_names(cls)), required=required)
   kwargs = {}
-  for f in dataclasses.fields(cls):
+  for f in _key_fields(cls):
     value = values[f.name] if f.name in values else None
     if value is None and f.default is dataclasses.MISSING:
       raise ValueError(f"{section} config lacks the required key "

@@ -7,11 +7,15 @@
 event files (tensorboardX) under `<workdir>/tensorboard`. Only process 0
 writes; other processes get a writer that does nothing.
 
+`quiet_library_logs` keeps the run's log readable: it drops the INFO lines
+of Orbax, TF, TFDS and JAX.
+
 `Progress` shows a tqdm bar with the latest loss, accuracy and tokens/s when
 stderr is a terminal, and plain absl log lines otherwise.
 """
 
 import json
+import logging as std_logging
 import math
 import os
 import sys
@@ -20,6 +24,31 @@ from typing import Any, Iterable, Mapping
 from absl import logging
 
 METRICS_FILE = "metrics.jsonl"
+
+# Libraries whose INFO logs `quiet_library_logs` drops (warnings stay), and
+# TFDS, whose routine warnings on every load ("Using custom data
+# configuration", deprecations) are dropped too (errors stay).
+_CHATTY_LIBRARIES = ("/orbax/", "/tensorflow/", "/tensorflow_datasets/",
+                     "/jax/")
+_CHATTY_WARNINGS = ("/tensorflow_datasets/",)
+
+
+class _LibraryInfoFilter(std_logging.Filter):
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    path = record.pathname
+    if record.levelno >= std_logging.ERROR:
+      return True
+    if record.levelno >= std_logging.WARNING:
+      return not any(lib in path for lib in _CHATTY_WARNINGS)
+    return not any(lib in path for lib in _CHATTY_LIBRARIES)
+
+
+def quiet_library_logs() -> None:
+  """Drops INFO logs of Orbax, TF, TFDS and JAX, and TFDS warnings."""
+  logger = logging.get_absl_logger()
+  if not any(isinstance(f, _LibraryInfoFilter) for f in logger.filters):
+    logger.addFilter(_LibraryInfoFilter())
 
 
 def _clean(value: Any) -> Any:

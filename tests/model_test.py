@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs import ling3_tiny
-from kda_lm import model
+from kda_lm import model, optimizer
 from kda_lm.layers import moe
 
 VOCAB, T = 32, 128
@@ -197,7 +197,7 @@ def test_param_count_and_summary():
             hk.data_structures.traverse(params)}
   assert shapes["embed/embeddings"] == (VOCAB, 32)
   assert "lm_head/w" not in shapes  # tied
-  mask = model.weight_decay_mask(model.abstract_params(cfg))
+  mask = optimizer.weight_decay_mask(model.abstract_params(cfg))
   assert not mask["layer_0/kda"]["A_log"] and not mask["layer_0/kda"][
       "dt_bias"]
   assert mask["layer_0/kda/q_proj"]["w"] and not mask["final_norm"]["weight"]

@@ -54,10 +54,10 @@ def test_mtp_loss_ignores_padding_and_boundaries():
   rng = np.random.default_rng(0)
   logits = jnp.asarray(rng.normal(size=(1, 1, 8, 32)), jnp.float32)
   batch = {k: jnp.asarray(v) for k, v in ROW.items()}
-  base = training.mtp_loss(logits, batch)
+  base = losses.mtp_loss(logits, batch)
   # Garbage at positions without an MTP target changes nothing.
   noisy = logits.at[0, 0, jnp.array([2, 6, 7])].set(1e3)
-  np.testing.assert_allclose(training.mtp_loss(noisy, batch), base,
+  np.testing.assert_allclose(losses.mtp_loss(noisy, batch), base,
                              rtol=1e-6)
   want = optax.softmax_cross_entropy_with_integer_labels(
       logits[0, 0, jnp.array([0, 1, 3, 4, 5])],
@@ -124,15 +124,15 @@ def test_update_step_mtp_loss_and_router_bias():
   new, metrics = update(state, batch)
   logits, aux = apply(params, tokens, seg, return_aux=True)
   jb = {k: jnp.asarray(v) for k, v in batch.items()}
-  loss_sum, _, weight = training.loss_terms(logits, jb)
+  loss_sum, _, weight = losses.loss_terms(logits, jb)
   np.testing.assert_allclose(metrics["loss"], loss_sum / weight, rtol=1e-5)
   np.testing.assert_allclose(metrics["mtp_loss"],
-                             training.mtp_loss(aux["mtp_logits"], jb),
+                             losses.mtp_loss(aux["mtp_logits"], jb),
                              rtol=1e-5)
   # With SGD(1) the update is -grad(main + 0.1 * MTP); the main loss does
   # not reach the MTP weights.
   def mtp_only(p):
-    return 0.1 * training.mtp_loss(
+    return 0.1 * losses.mtp_loss(
         m.apply(p, tokens, seg, return_aux=True)[1]["mtp_logits"], jb)
   g = jax.jit(jax.grad(mtp_only))(params)
   delta = (new.params["mtp_1/input/eh_proj"]["w"]

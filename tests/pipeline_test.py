@@ -76,12 +76,12 @@ def test_save_restore_resumes_on_next_batch(data_dir, tmp_path):
   # Past the end of the first epoch (about 10 batches), so the shuffle and
   # repeat state matter too.
   _take(it, 12)
-  pipeline.save_iterator(it, str(tmp_path / "ckpt"))
+  it.save(str(tmp_path / "ckpt"))
   expected = _take(it, 5)
 
   resumed = _train(config, data_dir)
   _take(resumed, 2)  # Its own position is overwritten by the restore.
-  pipeline.restore_iterator(resumed, str(tmp_path / "ckpt"))
+  resumed.restore(str(tmp_path / "ckpt"))
   _assert_same(_take(resumed, 5), expected)
 
   # Restoring again rewinds the original iterator as well.
@@ -169,6 +169,6 @@ def test_errors(data_dir, tmp_path):
   with pytest.raises(ValueError, match="data dir"):
     _train(_config(), None)
   with pytest.raises(ValueError, match="Unknown split"):
-    pipeline.make_iterator(_config(), split="test", data_dir=data_dir)
+    pipeline.load_documents(_config(), "test", data_dir=data_dir)
   with pytest.raises(ValueError, match="num_batches"):
     _eval(_config(), data_dir, num_batches=-1)

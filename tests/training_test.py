@@ -19,7 +19,7 @@ import pytest
 
 from configs import ling3_tiny
 from data import pipeline
-from kda_lm import checkpointing, metrics, training
+from kda_lm import checkpointing, metrics, optimizer, sharding, training
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -343,7 +343,7 @@ def test_config_variants(variant, pattern, dataset):
 def test_check_batch_names_bad_token():
   batch = {"inputs": np.array([[1, 2]]), "targets": np.array([[2, 9]])}
   training.check_batch(batch, 10, "the batch of step 7")
-  with pytest.raises(ValueError, match="step 7 has targets token id 9"):
+  with pytest.raises(ValueError, match="step 7: targets has token id 9"):
     training.check_batch(batch, 9, "the batch of step 7")
 
 
@@ -355,7 +355,7 @@ def test_weight_decay_mask():
       "layer_0/kda/q_conv1d": {"weight": np.ones((4, 4))},
       "embed": {"embeddings": np.ones((8, 4))},
   }
-  mask = training.weight_decay_mask(params)
+  mask = optimizer.weight_decay_mask(params)
   assert mask == {
       "layer_0/attn_norm": {"weight": False},
       "layer_0/kda": {"A_log": False, "dt_bias": False},
@@ -371,7 +371,7 @@ import sys
 
 import jax
 
-from kda_lm import training
+from kda_lm import sharding, training
 
 spec = importlib.util.spec_from_file_location("tiny", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
@@ -380,7 +380,7 @@ assert jax.device_count() == 4, jax.devices()
 config = module.get_config()
 for fsdp, workdir in ((1, sys.argv[2]), (2, sys.argv[3])):
   config.mesh.fsdp = fsdp
-  print("mesh", dict(training.make_mesh(config.mesh).shape))
+  print("mesh", dict(sharding.make_mesh(config.mesh).shape))
   state = training.train_and_evaluate(config, workdir)
   print("devices", len(state.params["embed"]["embeddings"].sharding.device_set))
 """
@@ -418,10 +418,10 @@ def test_fsdp_shardings():
                            ("data", "fsdp"))
   abstract = {"w": jax.ShapeDtypeStruct((8, 6), np.float32),
               "s": jax.ShapeDtypeStruct((), np.int32)}
-  shardings = training.state_shardings(abstract, mesh)
+  shardings = sharding.state_shardings(abstract, mesh)
   assert shardings["w"].spec == jax.sharding.PartitionSpec()
-  assert training._leaf_spec((8, 6), 2) == jax.sharding.PartitionSpec(
+  assert sharding.leaf_spec((8, 6), 2) == jax.sharding.PartitionSpec(
       "fsdp", None)
-  assert training._leaf_spec((3, 6), 2) == jax.sharding.PartitionSpec(
+  assert sharding.leaf_spec((3, 6), 2) == jax.sharding.PartitionSpec(
       None, "fsdp")
-  assert training._leaf_spec((3, 5), 2) == jax.sharding.PartitionSpec()
+  assert sharding.leaf_spec((3, 5), 2) == jax.sharding.PartitionSpec()

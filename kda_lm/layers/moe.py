@@ -22,8 +22,9 @@ the `[N,E]` scores.
 
 The selection bias `e_score_correction_bias [E]` is a float32 parameter that
 gradients never reach (`stop_gradient`); the training step moves it with
-`update_bias` from the observed load: `bias += rate * sign(mean - load)`
-(DeepSeek-V3), raising under-loaded experts and lowering over-loaded ones.
+`update_selection_biases` from the observed load:
+`bias += rate * sign(mean - load)` (DeepSeek-V3), raising under-loaded
+experts and lowering over-loaded ones.
 """
 
 from typing import Optional
@@ -104,6 +105,48 @@ def update_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
   return (bias.astype(jnp.float32)
           + rate * jnp.sign(load.mean(-1, keepdims=True) - load)
           ).astype(bias.dtype)
+
+
+def update_selection_biases(params: hk.Params, old_params: hk.Params,
+                            expert_load: jax.Array, modules: list[str],
+                            rate: float) -> hk.Params:
+  """The training step's selection-bias update, after the optimizer's.
+
+  The optimizer never moves a selection bias (no gradient reaches it): each
+  one is set from its value before the step, `old_params`, moved by
+  `update_bias` from the step's own load.
+
+  Args:
+    params: the parameters after the optimizer update (not modified).
+    old_params: the parameters before it.
+    expert_load: [len(modules), E] tokens per expert (`aux["expert_load"]`).
+    modules: the MoE modules in the order of `expert_load`
+      (`kda_lm.model.router_bias_modules`).
+    rate: `config.model.router_bias_update_rate`.
+
+  Returns:
+    `params` with every `<module>/e_score_correction_bias` replaced.
+  """
+  new = dict(params)
+  for row, module in enumerate(modules):
+    entry = dict(new[module])
+    entry[BIAS_NAME] = update_bias(old_params[module][BIAS_NAME],
+                                   expert_load[row], rate)
+    new[module] = entry
+  return type(params)(new) if isinstance(params, dict) else new
+
+
+def load_metrics(expert_load: jax.Array) -> dict[str, jax.Array]:
+  """Load balance of `aux["expert_load"]` [layers, E].
+
+  Returns:
+    `moe_load_max` / `moe_load_min`: the largest / smallest fraction of a
+    layer's routed tokens that one expert received, over all MoE layers
+    (uniform = 1/E), and `moe_load_imbalance`: the worst layer's max / mean.
+  """
+  frac = expert_load / jnp.maximum(expert_load.sum(-1, keepdims=True), 1.0)
+  return {"moe_load_max": frac.max(), "moe_load_min": frac.min(),
+          "moe_load_imbalance": (frac.max(-1) * frac.shape[-1]).max()}
 
 
 def dispatch_swiglu(x_ND: jax.Array, idx: jax.Array, w: jax.Array,
@@ -220,12 +263,3 @@ def param_count(d_model: int, num_experts: int, intermediate_size: int,
   """Parameters of one MoE layer (router, bias, experts, shared experts)."""
   D, E, F = d_model, num_experts, intermediate_size
   return D * E + E + 3 * E * D * F + 3 * D * F * num_shared_experts
-
-
-def active_param_count(d_model: int, num_experts: int,
-                       num_experts_per_tok: int, intermediate_size: int,
-                       num_shared_experts: int) -> int:
-  """Parameters one token uses: all but the non-selected routed experts."""
-  D, F = d_model, intermediate_size
-  return (param_count(D, num_experts, F, num_shared_experts)
-          - 3 * (num_experts - num_experts_per_tok) * D * F)

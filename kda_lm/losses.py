@@ -1,0 +1,56 @@
+"""Losses of the training and eval steps: masked next-token cross-entropy
+and the segment-aware multi-token-prediction loss.
+
+Shape glossary: see `kda_lm/model.py` (B rows, T tokens, W vocabulary).
+"""
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from kda_lm.layers import mtp
+
+Batch = Mapping[str, jax.Array]
+
+
+def loss_terms(logits: jax.Array, batch: Batch
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Masked cross-entropy sums.
+
+  Args:
+    logits: [B,T,W] float32.
+    batch: with `targets` [B,T] int and `loss_mask` [B,T] float.
+
+  Returns:
+    (sum of loss_mask-weighted cross-entropy, weighted count of correct
+    argmax predictions, sum of loss_mask), float32 scalars.
+  """
+  targets = batch["targets"]
+  mask = batch["loss_mask"].astype(jnp.float32)
+  ce = optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), targets)
+  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+  return (ce * mask).sum(), (correct * mask).sum(), mask.sum()
+
+
+def mtp_loss(mtp_logits: jax.Array, batch: Batch) -> jax.Array:
+  """Mean MTP cross-entropy over MTP layers, segment-aware.
+
+  Args:
+    mtp_logits: [num_mtp_layers, B,T,W]; layer k-1 predicts t_{i+k+1}.
+    batch: with `targets`, `loss_mask` and `segment_ids`.
+
+  Returns:
+    The float32 mean over layers of each layer's masked mean cross-entropy
+    (targets and weights from `kda_lm.layers.mtp.targets_and_mask`).
+  """
+  losses = []
+  for k in range(1, mtp_logits.shape[0] + 1):
+    targets, mask = mtp.targets_and_mask(batch["targets"], batch["loss_mask"],
+                                         batch["segment_ids"], k)
+    ce = optax.softmax_cross_entropy_with_integer_labels(
+        mtp_logits[k - 1].astype(jnp.float32), targets)
+    losses.append((ce * mask).sum() / jnp.maximum(mask.sum(), 1.0))
+  return jnp.mean(jnp.stack(losses))
