@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kda_lm import testing
 from kda_lm.ops import chunk_kda
 
 _IMPL = flags.DEFINE_string("impl", "xla", "Implementation to compare with "
@@ -121,28 +122,19 @@ class Result:
 
 
 def make_inputs(rng, B, T, H, D, dtype, gate, docs):
-  """(differentiable params, fixed args, static kwargs) for one config."""
-  randn = lambda *s: rng.standard_normal(s, np.float32)
-  cast = lambda x: jnp.asarray(x, dtype)
-  params = dict(q=cast(randn(B, T, H, D)), k=cast(randn(B, T, H, D)),
-                v=cast(randn(B, T, H, D)),
-                beta=cast(1 / (1 + np.exp(-randn(B, T, H)))))
-  static = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
-  x = randn(B, T, H, D)
-  if gate == "safe":
-    params["g"] = cast(x)
-    params["A_log"] = jnp.asarray(rng.uniform(-1, 1, H), jnp.float32)
-    params["dt_bias"] = jnp.asarray(randn(H * D))
-    static.update(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True)
-  else:
-    params["g"] = cast(-np.logaddexp(0, -x))              # log-sigmoid
-  fixed = dict(do=jnp.asarray(randn(B, T, H, D)),
-               dht=jnp.asarray(randn(B, H, D, D)), segment_ids=None)
-  ids = np.zeros((B, T), np.int32)
-  for b in range(B if docs > 0 else 0):  # `docs` documents, random lengths
-    cuts = np.sort(rng.choice(np.arange(1, T), docs - 1, replace=False))
-    ids[b] = np.searchsorted(cuts, np.arange(T), side="right") + 1
-  return params, fixed, static, jnp.asarray(ids)
+  """(differentiable params, fixed args, static kwargs, segment ids) for one
+  config: `testing.kda_inputs` with gate "safe" (bounded) or "exact"
+  (pre-activated log-sigmoid), in `dtype`."""
+  raw, static = testing.kda_inputs(
+      rng, B, T, H, D, D, gate="pre" if gate == "exact" else gate,
+      l2norm=True, h0=False)
+  static["output_final_state"] = True
+  params = {n: jnp.asarray(x, jnp.float32 if n in ("A_log", "dt_bias")
+                           else dtype) for n, x in raw.items()}
+  do, dht = testing.kda_cotangents(rng, (B, T, H, D), B, D)
+  fixed = dict(do=jnp.asarray(do), dht=jnp.asarray(dht), segment_ids=None)
+  return params, fixed, static, jnp.asarray(
+      testing.document_ids(rng, B, T, docs))
 
 
 def build(impl, backward, static):

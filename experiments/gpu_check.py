@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kda_lm import testing
 from kda_lm.ops import chunk_kda
 from kda_lm.ops.kda import pallas
 
@@ -112,21 +113,18 @@ def kernel_bytes(B, T, H, K, V, backward):
 
 
 def make_inputs(seed, B, T, H, D, dtype, docs):
+  """Bounded-gate inputs (`testing.kda_inputs`) in `dtype`, all-ones and
+  `docs`-document segment ids, cotangents."""
   rng = np.random.default_rng(seed)
-  randn = lambda *s: rng.standard_normal(s, np.float32)
-  cast = lambda x: jnp.asarray(x, dtype)
-  params = dict(q=cast(randn(B, T, H, D)), k=cast(randn(B, T, H, D)),
-                v=cast(randn(B, T, H, D)), g=cast(randn(B, T, H, D)),
-                beta=cast(1 / (1 + np.exp(-randn(B, T, H)))),
-                A_log=jnp.asarray(rng.uniform(-1, 1, H), jnp.float32),
-                dt_bias=jnp.asarray(randn(H * D)))
+  raw, _ = testing.kda_inputs(rng, B, T, H, D, D, gate="safe", l2norm=True,
+                              h0=False)
+  params = {n: jnp.asarray(x, jnp.float32 if n in ("A_log", "dt_bias")
+                           else dtype) for n, x in raw.items()}
+  do, dht = testing.kda_cotangents(rng, (B, T, H, D), B, D)
+  segmented = np.broadcast_to(testing.document_ids(rng, 1, T, docs), (B, T))
   ones = np.ones((B, T), np.int32)
-  cuts = np.sort(rng.choice(np.arange(1, T), docs - 1, replace=False))
-  ids = np.searchsorted(cuts, np.arange(T), side="right") + 1
-  segmented = np.broadcast_to(ids, (B, T)).astype(np.int32)
-  cot = dict(do=jnp.asarray(randn(B, T, H, D)),
-             dht=jnp.asarray(randn(B, H, D, D)))
-  return params, jnp.asarray(ones), jnp.asarray(segmented), cot
+  return (params, jnp.asarray(ones), jnp.asarray(segmented),
+          dict(do=jnp.asarray(do), dht=jnp.asarray(dht)))
 
 
 STATIC = dict(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True,
@@ -158,12 +156,6 @@ def timed(fn, args, repeats):
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t)
   return statistics.median(times), first, out
-
-
-def rel_err(a, b):
-  a = np.asarray(a, np.float64)
-  b = np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def main(argv):
@@ -231,7 +223,7 @@ def main(argv):
     for (label, seg_name), o in outs.items():
       if label.startswith("pallas"):
         print(f"rel_err(o) {label} vs xla, {seg_name}: "
-              f"{rel_err(o, outs['xla', seg_name]):.2e}")
+              f"{testing.rel_err(o, outs['xla', seg_name]):.2e}")
   for (label, seg_name, backward), t in ms.items():
     if label.startswith("pallas") and not backward and seg_name == "none":
       print(f"{label} forward vs FLA chunk_kda on H100 ({FLA_FWD_MS_H100} "

@@ -54,18 +54,13 @@ def plot(workdirs: str | Sequence[str], out: str | None = None) -> str:
       raise FileNotFoundError(f"No metrics rows in {workdir}.")
     color = f"C{i}"
     label = os.path.basename(os.path.normpath(workdir))
-    for key, style, name in (("loss", "-", "train"),
-                             ("eval_loss", "o--", "eval")):
-      steps, values = _series(rows, key)
-      if steps:
-        ax_loss.plot(steps, values, style, color=color, markersize=3,
-                     label=f"{label} {name}")
-    for key, style, name in (("accuracy", "-", "train"),
-                             ("eval_accuracy", "o--", "eval")):
-      steps, values = _series(rows, key)
-      if steps:
-        ax_acc.plot(steps, values, style, color=color, markersize=3,
-                    label=f"{label} {name}")
+    for ax, metric in ((ax_loss, "loss"), (ax_acc, "accuracy")):
+      for key, style, name in ((metric, "-", "train"),
+                               (f"eval_{metric}", "o--", "eval")):
+        steps, values = _series(rows, key)
+        if steps:
+          ax.plot(steps, values, style, color=color, markersize=3,
+                  label=f"{label} {name}")
   ax_loss.set_yscale("log")
   ax_loss.set_xlabel("step")
   ax_loss.set_ylabel("cross-entropy (nats/token, loss_mask positions)")

@@ -33,7 +33,7 @@ import dataclasses
 import os
 import re
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from absl import logging
 from etils import epath
@@ -43,6 +43,8 @@ import orbax.checkpoint as ocp
 
 STATE_ITEM = "state"
 DATA_ITEM = "data"
+# What `_attempt` returns for a step it skipped.
+_FAILED = object()
 _TMP_PATTERN = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 
 
@@ -243,6 +245,20 @@ class CheckpointManager:
                       source, e)
     self._manager.reload()
 
+  def _attempt(self, strict: bool, candidate: int, what: str,
+               fn: Callable[..., Any], *args, **kwargs) -> Any:
+    """`fn(*args, **kwargs)`; on an error (unless `strict`, which re-raises)
+    warns, sets the step aside and returns `_FAILED`."""
+    try:
+      return fn(*args, **kwargs)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      if strict:
+        raise
+      logging.warning("Skipping checkpoint %s/%s: %s (%s: %s).",
+                      self.directory, candidate, what, type(e).__name__, e)
+      self._set_aside(candidate)
+      return _FAILED
+
   def restore(self, abstract_state: Any,
               data_iterator: SavableIterator | None = None,
               *, step: int | None = None) -> Any | None:
@@ -276,28 +292,19 @@ class CheckpointManager:
       steps = [step]
     for candidate in reversed(steps):
       where = f"{self.directory}/{candidate}"
-      try:
-        saved_params = self._saved_params(candidate)
-      except Exception as e:  # pylint: disable=broad-exception-caught
-        if step is not None:
-          raise
-        logging.warning("Skipping checkpoint %s: cannot read its metadata "
-                        "(%s: %s).", where, type(e).__name__, e)
-        self._set_aside(candidate)
+      saved_params = self._attempt(
+          step is not None, candidate, "cannot read its metadata",
+          self._saved_params, candidate)
+      if saved_params is _FAILED:
         continue
       check_compatible(saved_params, abstract_state.params, where=where)
       items = {STATE_ITEM: ocp.args.StandardRestore(abstract_state)}
       if data_iterator is not None:
         items[DATA_ITEM] = DataIteratorArgs(data_iterator)
-      try:
-        restored = self._manager.restore(candidate,
-                                         args=ocp.args.Composite(**items))
-      except Exception as e:  # pylint: disable=broad-exception-caught
-        if step is not None:
-          raise
-        logging.warning("Skipping checkpoint %s: restoring it failed "
-                        "(%s: %s).", where, type(e).__name__, e)
-        self._set_aside(candidate)
+      restored = self._attempt(
+          step is not None, candidate, "restoring it failed",
+          self._manager.restore, candidate, args=ocp.args.Composite(**items))
+      if restored is _FAILED:
         continue
       logging.info("Restored checkpoint %s.", where)
       return restored[STATE_ITEM]

@@ -216,12 +216,12 @@ class ModelConfig:
   tie_embeddings: bool = False
   # E routed experts per MoE layer (kda_lm/layers/moe.py); 0 = dense FFNs.
   num_experts: int = 0
-  # k experts per token (top-k).
+  # Hidden width of each expert (channels); None = mlp_hidden_dim.
+  moe_intermediate_size: Optional[int] = None
+  # A experts per token (top-k).
   num_experts_per_tok: int = 1
   # Experts every token goes through.
   num_shared_experts: int = 0
-  # Hidden width of each expert (channels); None = mlp_hidden_dim.
-  moe_intermediate_size: Optional[int] = None
   # Leading layers that keep the dense FFN.
   first_k_dense_replace: int = 0
   # Multiplies the renormalised expert weights.
@@ -331,10 +331,10 @@ class OptConfig:
   peak_lr: float = 3e-3
   # Linear warmup from 0 (steps).
   warmup_steps: int = 50
-  # Warmup + cosine length (steps); None = train.num_steps.
-  decay_steps: Optional[int] = None
   # Final lr as a fraction of peak_lr.
   end_lr_ratio: float = 0.1
+  # Warmup + cosine length (steps); None = train.num_steps.
+  decay_steps: Optional[int] = None
   # Decoupled decay (fraction of lr per step); which parameters decay is
   # `kda_lm.optimizer.weight_decay_mask`'s rule.
   weight_decay: float = 0.1

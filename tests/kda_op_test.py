@@ -6,12 +6,10 @@ FLA's golden fixture and the packing / causality / validation contracts. A new
 implementation (e.g. `"pallas"`) is tested by adding its name to
 `IMPLS_UNDER_TEST`.
 
-Error metric. `rel_err(a, b) = ||a - b||_2 / ||b||_2` over the whole array, in
-float64. A norm-wise error does not blow up on the many entries that are near
-zero (where an element-wise rtol is meaningless) and is invariant to the
-array's size and scale. It is the same number as RMS(a - b) / RMS(b), i.e.
-FLA's `get_err_ratio` and the fixture README's "relative RMS", so one metric
-serves the float32, bfloat16 and golden checks.
+Error metric: `kda_lm.testing.rel_err(a, b) = ||a - b||_2 / ||b||_2` over
+the whole array, in float64: the fixture README's "relative RMS", so one
+metric serves the float32, bfloat16 and golden checks. Inputs:
+`kda_lm.testing.kda_inputs` (FLA's test distributions).
 
 Compile budget. Compiling the chunked forward+backward costs seconds, so all
 tests share a few shapes (`B, H, K, V` below, `PACKED_T`) and one jitted
@@ -28,9 +26,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from kda_lm import testing
 from kda_lm.ops import chunk_kda
 
-IMPLS_UNDER_TEST = ["xla"]   # compared against "reference"; add "pallas" here
+IMPLS_UNDER_TEST = ["xla"]   # compared against "reference"
 ALL_IMPLS = ["reference"] + IMPLS_UNDER_TEST
 
 B, H, K, V = 2, 2, 32, 48    # K != V everywhere
@@ -52,16 +51,7 @@ GOLDEN_CASES = ("dense", "dense_h0", "varlen", "varlen_gate_l2",
 # Helpers.
 
 
-def rel_err(a, b):
-  """||a - b||_2 / ||b||_2 in float64 (0 if both are exactly zero)."""
-  a = np.asarray(a, np.float64)
-  b = np.asarray(b, np.float64)
-  assert a.shape == b.shape, (a.shape, b.shape)
-  num = np.linalg.norm((a - b).ravel())
-  den = np.linalg.norm(b.ravel())
-  if den == 0.0:
-    return 0.0 if num == 0.0 else np.inf
-  return float(num / den)
+rel_err = testing.rel_err
 
 
 class _Report:
@@ -148,64 +138,13 @@ def _logsigmoid(x):
   return -np.logaddexp(0.0, -x)
 
 
-def make_inputs(rng, b, t, *, gate="pre", l2norm=False, h0=True,
-                spikes=False):
-  """Random float32 inputs in FLA's test distributions.
-
-  Args:
-    rng: numpy Generator.
-    b, t: batch rows and tokens.
-    gate: "pre" (pre-activated logsigmoid gates), "softplus" (raw gates, the
-      in-kernel softplus form) or "safe" (raw gates, in-kernel lower_bound=-5
-      form with safe_gate=True).
-    l2norm: use_qk_l2norm_in_kernel; when off, k is L2-normalised here (as in
-      FLA's tests) so the delta rule stays contractive.
-    h0: pass a random initial_state.
-    spikes: set gates to -1000 (hard resets) at a full token, at half the
-      channels of token 64 (a chunk's first row) and at scattered entries.
-
-  Returns:
-    (params dict for chunk_kda, static kwargs dict).
-  """
-  randn = lambda *s: rng.standard_normal(s).astype(np.float32)
-  q, k, v, x = randn(b, t, H, K), randn(b, t, H, K), randn(b, t, H, V), randn(
-      b, t, H, K)
-  if not l2norm:
-    k = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + 1e-6)
-  params = dict(q=q, k=k, v=v, beta=_sigmoid(randn(b, t, H)))
-  static = dict(use_qk_l2norm_in_kernel=l2norm)
-  if gate == "pre":
-    g = _logsigmoid(x)
-  elif gate == "softplus":
-    g = x
-    params["A_log"] = np.log(rng.uniform(1, 16, H)).astype(np.float32)
-    params["dt_bias"] = randn(H * K)
-    static["use_gate_in_kernel"] = True
-  elif gate == "safe":
-    g = x
-    params["A_log"] = rng.uniform(-1, 1, H).astype(np.float32)
-    params["dt_bias"] = randn(H * K)
-    static.update(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True)
-  else:
-    raise ValueError(gate)
-  if spikes:
-    assert gate == "pre"
-    g = g.copy()
-    g[:, min(10, t - 1)] = -1000.0                       # full hard reset
-    if t > 64:
-      g[:, 64, :, : K // 2] = -1000.0                    # a chunk's first row
-    g[rng.random(g.shape) < 0.01] = -1000.0              # scattered entries
-  params["g"] = g.astype(np.float32)
-  if h0:
-    params["initial_state"] = randn(b, H, K, V)
-  params = {n: np.asarray(a, np.float32) for n, a in params.items()}
-  return params, static
+def make_inputs(rng, b, t, **kwargs):
+  """`testing.kda_inputs` at this module's H, K, V: (params, static)."""
+  return testing.kda_inputs(rng, b, t, H, K, V, **kwargs)
 
 
 def make_cotangents(rng, o_shape, n_states):
-  do = rng.standard_normal(o_shape).astype(np.float32)
-  dht = rng.standard_normal((n_states, H, K, V)).astype(np.float32)
-  return do, dht
+  return testing.kda_cotangents(rng, o_shape, n_states, K)
 
 
 def random_row(rng, t, first_id=1):

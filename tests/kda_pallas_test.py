@@ -6,8 +6,9 @@ kernel output buffer with NaN before the kernel runs (checked by
 unwritten buffer shows up as NaN in outputs or gradients: padding gradients
 are required to be exactly 0 and finite with that fill on.
 
-Error metric: rel_err(a, b) = ||a - b||_2 / ||b||_2 in float64 (as in
-tests/kda_op_test.py). Float32 tolerances: 1e-5 forward, 1e-4 gradients.
+Error metric: `kda_lm.testing.rel_err(a, b) = ||a - b||_2 / ||b||_2` in
+float64 (as in tests/kda_op_test.py). Float32 tolerances: 1e-5 forward,
+1e-4 gradients.
 
 The cross-lowering tests set KDA_LM_PALLAS_INTERPRET=0 and lower the forward
 and the gradient for TPU (Mosaic: `tpu_custom_call`) and CUDA (Triton:
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kda_lm import testing
 from kda_lm.ops import chunk_kda
 from kda_lm.ops.kda import api, pallas
 
@@ -41,13 +43,7 @@ FWD_TOL, GRAD_TOL = 1e-5, 1e-4
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
-def rel_err(a, b):
-  a = np.asarray(a, np.float64)
-  b = np.asarray(b, np.float64)
-  assert a.shape == b.shape, (a.shape, b.shape)
-  den = np.linalg.norm(b.ravel())
-  num = np.linalg.norm((a - b).ravel())
-  return float(num / den) if den else (0.0 if num == 0 else np.inf)
+rel_err = testing.rel_err
 
 
 def _check(what, got, want, tol):

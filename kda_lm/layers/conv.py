@@ -1,8 +1,9 @@
 """ShortConvolution: FLA's depthwise causal convolution, segment-aware.
 
-Shape glossary: B batch rows, T tokens, D channels, W kernel size.
+Shape glossary (`kda_lm/model.py`'s): B batch rows, T tokens, D channels,
+J kernel size (taps).
 
-`y[t, d] = act(sum_{j=0}^{W-1} w[W-1-j, d] * x[t-j, d] (+ b[d]))`, where a
+`y[t, d] = act(sum_{j=0}^{J-1} w[J-1-j, d] * x[t-j, d] (+ b[d]))`, where a
 tap `x[t-j]` reads as zero unless it lies in the same segment as `t` (the
 window never reaches across a document boundary or into padding), as if each
 document had been run alone with FLA's zero left padding.
@@ -26,7 +27,7 @@ class ShortConvolution(hk.Module):
     """Initialises the module.
 
     Args:
-      kernel_size: W, taps per channel (current token and W-1 before it).
+      kernel_size: J, taps per channel (current token and J-1 before it).
       with_bias: add a per-channel bias before the activation.
       activation: "silu" or None.
       param_dtype: dtype of the stored parameters.
@@ -66,21 +67,21 @@ class ShortConvolution(hk.Module):
     if x.ndim != 3:
       raise ValueError(f"x must be [B,T,D], got shape {x.shape}.")
     B, T, D = x.shape
-    W = self.kernel_size
-    # PyTorch's Conv1d default init for a depthwise kernel: fan_in = W.
-    bound = W ** -0.5
+    J = self.kernel_size
+    # PyTorch's Conv1d default init for a depthwise kernel: fan_in = J.
+    bound = J ** -0.5
     init = hk.initializers.RandomUniform(-bound, bound)
-    w_WD = hk.get_parameter("weight", [W, D], self.param_dtype, init=init)
-    w_WD = w_WD.astype(x.dtype)
-    x_pad = jnp.pad(x, ((0, 0), (W - 1, 0), (0, 0)))
+    w_JD = hk.get_parameter("weight", [J, D], self.param_dtype, init=init)
+    w_JD = w_JD.astype(x.dtype)
+    x_pad = jnp.pad(x, ((0, 0), (J - 1, 0), (0, 0)))
     if segment_ids is not None:
       if segment_ids.shape != (B, T):
         raise ValueError(f"segment_ids must be [B,T] = {(B, T)}, got "
                          f"{segment_ids.shape}.")
       off_BT = segments.offsets(segment_ids)
-    y = x * w_WD[W - 1]
-    for j in range(1, W):
-      tap = x_pad[:, W - 1 - j:W - 1 - j + T] * w_WD[W - 1 - j]
+    y = x * w_JD[J - 1]
+    for j in range(1, J):
+      tap = x_pad[:, J - 1 - j:J - 1 - j + T] * w_JD[J - 1 - j]
       if segment_ids is not None:
         tap = jnp.where((off_BT >= j)[:, :, None], tap, jnp.zeros_like(tap))
       y = y + tap

@@ -20,7 +20,7 @@ q and k are L2-normalised inside the op. Two gate variants:
   `g = -exp(A_log) * softplus(x + dt_bias)`; `A_log = log U(1, 16)`.
 
 `A_log [H]` and `dt_bias [H*K]` are float32 whatever the parameter dtype and
-should not be weight-decayed (see `kda_lm.model.weight_decay_mask`).
+are not weight-decayed (`kda_lm.optimizer.weight_decay_mask`).
 """
 
 import math
@@ -100,11 +100,10 @@ class KimiDeltaAttention(hk.Module):
     self.head_dim = head_dim
     self.head_v_dim = head_v_dim
     self.gate = gate
-    self.conv_size = conv_size
-    self.conv_bias = conv_bias
+    self.conv_size, self.conv_bias = conv_size, conv_bias
     self.norm_eps = norm_eps
-    self.impl = impl
-    self.chunk_size = chunk_size
+    # How `chunk_kda` runs: its implementation and chunk length.
+    self.impl, self.chunk_size = impl, chunk_size
     self.param_dtype = param_dtype
 
   def __call__(self, x: jax.Array,

@@ -1,14 +1,15 @@
 """MultiHeadLatentAttention: DeepSeek-V2/V3 MLA with packed-document masks.
 
-Shape glossary: B batch rows, T tokens (S: key tokens), D model width,
-H heads, N = qk_nope_head_dim, R = qk_rope_head_dim, E = v_head_dim,
-Q = q_lora_rank, C = kv_lora_rank.
+Shape glossary (`kda_lm/model.py`'s): B batch rows, T tokens (S: key
+tokens), D model width, H heads, Z = qk_nope_head_dim, R = qk_rope_head_dim,
+K = Z + R query/key dims per head, V = v_head_dim, Q = q_lora_rank,
+L = kv_lora_rank.
 
   Q:   [q_nope, q_rope] = RMSNorm(x W_qa) W_qb      (or x W_q when Q = 0)
   KV:  [c_kv, k_rope] = x W_kva; [k_nope, v] = RMSNorm(c_kv) W_kvb
   RoPE (interleaved, per-document positions) on q_rope and on the single
        k_rope shared by all heads; skipped with `use_nope` (Kimi Linear).
-  s = (q_nope . k_nope + q_rope . k_rope) / sqrt(N + R)
+  s = (q_nope . k_nope + q_rope . k_rope) / sqrt(Z + R)
   mask = causal & same segment & key not padding
   o = softmax(s) v  [* sigmoid(x W_g) per head, Ling 3.0's gated MLA]
   y = o W_o
@@ -45,21 +46,42 @@ def _block_mask(start, stop, S, piece_BT, valid_BT):
   return mask[:, None]
 
 
-def _attend_block(q_BtHP, k_BSHP, v_BSHE, piece_BT, valid_BT, *, start,
+def _attend_block(q_BtHK, k_BSHK, v_BSHV, piece_BT, valid_BT, *, start,
                   scale):
   """Softmax attention of queries [start, start+t) over keys [0, S).
 
   Returns:
-    [B,t,H,E] float32.
+    [B,t,H,V] float32.
   """
-  stop, S = start + q_BtHP.shape[1], k_BSHP.shape[1]
-  s_BHtS = jnp.einsum("bthp,bshp->bhts", q_BtHP, k_BSHP,
+  stop, S = start + q_BtHK.shape[1], k_BSHK.shape[1]
+  s_BHtS = jnp.einsum("bthp,bshp->bhts", q_BtHK, k_BSHK,
                       preferred_element_type=jnp.float32) * scale
   mask = _block_mask(start, stop, S, piece_BT, valid_BT)
   s_BHtS = jnp.where(mask, s_BHtS, MASK_VALUE)
-  p_BHtS = jax.nn.softmax(s_BHtS, axis=-1).astype(v_BSHE.dtype)
-  return jnp.einsum("bhts,bshe->bthe", p_BHtS, v_BSHE,
+  p_BHtS = jax.nn.softmax(s_BHtS, axis=-1).astype(v_BSHV.dtype)
+  return jnp.einsum("bhts,bshe->bthe", p_BHtS, v_BSHV,
                     preferred_element_type=jnp.float32)
+
+
+def _attend(q_BTHK, k_BTHK, v_BTHV, piece_BT, valid_BT, *, scale, q_block):
+  """Masked softmax attention of all queries: [B,T,H,V] float32.
+
+  Rows longer than `q_block` attend in causal query blocks: block [a, b)
+  only reads keys [0, b), and its scores are recomputed in the backward pass
+  instead of stored.
+  """
+  T = q_BTHK.shape[1]
+  if T <= q_block:
+    return _attend_block(q_BTHK, k_BTHK, v_BTHV, piece_BT, valid_BT,
+                         start=0, scale=scale)
+  outs = []
+  for start in range(0, T, q_block):
+    stop = min(start + q_block, T)
+    attend = jax.checkpoint(functools.partial(
+        _attend_block, start=start, scale=scale))
+    outs.append(attend(q_BTHK[:, start:stop], k_BTHK[:, :stop],
+                       v_BTHV[:, :stop], piece_BT, valid_BT))
+  return jnp.concatenate(outs, axis=1)
 
 
 class MultiHeadLatentAttention(hk.Module):
@@ -76,14 +98,14 @@ class MultiHeadLatentAttention(hk.Module):
     Args:
       num_heads: H.
       q_lora_rank: Q, rank of the query compression; 0 = a direct `W_q`.
-      kv_lora_rank: C, rank of the compressed KV latent.
-      qk_nope_head_dim: N, per-head query/key dims without RoPE.
+      kv_lora_rank: L, rank of the compressed KV latent.
+      qk_nope_head_dim: Z, per-head query/key dims without RoPE.
       qk_rope_head_dim: R, per-head query dims (and shared key dims) that
         carry RoPE; even unless `use_nope`.
-      v_head_dim: E, per-head value dims.
+      v_head_dim: V, per-head value dims.
       rope_theta: RoPE base.
       use_nope: no positional rotation (Kimi Linear's NoPE MLA); the R dims
-        still exist and the scale still uses N + R.
+        still exist and the scale still uses Z + R.
       output_gate: multiply each head's output by `sigmoid(x W_g)_h`.
       norm_eps: epsilon of the q and kv latent RMSNorms.
       q_block: rows longer than this attend in causal query blocks of this
@@ -104,13 +126,12 @@ class MultiHeadLatentAttention(hk.Module):
                qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
                use_nope=use_nope)
     self.num_heads = num_heads
-    self.q_lora_rank = q_lora_rank
-    self.kv_lora_rank = kv_lora_rank
+    # Latent ranks (Q, L), then per-head dims (Z, R, V).
+    self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
     self.qk_nope_head_dim = qk_nope_head_dim
     self.qk_rope_head_dim = qk_rope_head_dim
     self.v_head_dim = v_head_dim
-    self.rope_theta = rope_theta
-    self.use_nope = use_nope
+    self.rope_theta, self.use_nope = rope_theta, use_nope
     self.output_gate = output_gate
     self.norm_eps = norm_eps
     self.q_block = q_block
@@ -144,21 +165,21 @@ class MultiHeadLatentAttention(hk.Module):
         size, param_dtype=self.param_dtype, name=name)
     rms = lambda name: norm.RMSNorm(self.norm_eps, self.param_dtype,
                                     name=name)
-    H, N, R = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
-    E, C = self.v_head_dim, self.kv_lora_rank
+    H, Z, R = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
+    V, L = self.v_head_dim, self.kv_lora_rank
 
     if self.q_lora_rank:
       c_q = rms("q_a_norm")(dense(self.q_lora_rank, "q_a_proj")(x))
-      q_BTHP = dense(H * (N + R), "q_b_proj")(c_q)
+      q_BTHK = dense(H * (Z + R), "q_b_proj")(c_q)
     else:
-      q_BTHP = dense(H * (N + R), "q_proj")(x)
-    q_BTHP = q_BTHP.reshape(B, T, H, N + R)
-    kv_a = dense(C + R, "kv_a_proj")(x)
-    c_kv_BTC, k_rope_BTR = kv_a[..., :C], kv_a[..., C:]
-    kv_BTHX = dense(H * (N + E), "kv_b_proj")(
-        rms("kv_a_norm")(c_kv_BTC)).reshape(B, T, H, N + E)
-    k_nope_BTHN, v_BTHE = kv_BTHX[..., :N], kv_BTHX[..., N:]
-    q_nope_BTHN, q_rope_BTHR = q_BTHP[..., :N], q_BTHP[..., N:]
+      q_BTHK = dense(H * (Z + R), "q_proj")(x)
+    q_BTHK = q_BTHK.reshape(B, T, H, Z + R)
+    kv_a = dense(L + R, "kv_a_proj")(x)
+    c_kv_BTL, k_rope_BTR = kv_a[..., :L], kv_a[..., L:]
+    kv_BTHX = dense(H * (Z + V), "kv_b_proj")(
+        rms("kv_a_norm")(c_kv_BTL)).reshape(B, T, H, Z + V)
+    k_nope_BTHZ, v_BTHV = kv_BTHX[..., :Z], kv_BTHX[..., Z:]
+    q_nope_BTHZ, q_rope_BTHR = q_BTHK[..., :Z], q_BTHK[..., Z:]
     k_rope_BT1R = k_rope_BTR[:, :, None, :]
     if R and not self.use_nope:
       if positions is None:
@@ -167,37 +188,24 @@ class MultiHeadLatentAttention(hk.Module):
                      segments.positions_from_segment_ids(segment_ids))
       q_rope_BTHR = rope.apply_rope(q_rope_BTHR, positions, self.rope_theta)
       k_rope_BT1R = rope.apply_rope(k_rope_BT1R, positions, self.rope_theta)
-    q_BTHP = jnp.concatenate([q_nope_BTHN, q_rope_BTHR], axis=-1)
-    k_BTHP = jnp.concatenate(
-        [k_nope_BTHN, jnp.broadcast_to(k_rope_BT1R, (B, T, H, R))], axis=-1)
+    q_BTHK = jnp.concatenate([q_nope_BTHZ, q_rope_BTHR], axis=-1)
+    k_BTHK = jnp.concatenate(
+        [k_nope_BTHZ, jnp.broadcast_to(k_rope_BT1R, (B, T, H, R))], axis=-1)
 
     if segment_ids is None:
       piece_BT = valid_BT = None
     else:
       piece_BT, valid_BT = segments.piece_ids(segment_ids), segment_ids != 0
-    scale = (N + R) ** -0.5
-    if T <= self.q_block:
-      o_BTHE = _attend_block(q_BTHP, k_BTHP, v_BTHE, piece_BT, valid_BT,
-                             start=0, scale=scale)
-    else:
-      # Causal query blocks: block [a, b) only reads keys [0, b), and its
-      # scores are recomputed in the backward pass instead of stored.
-      outs = []
-      for start in range(0, T, self.q_block):
-        stop = min(start + self.q_block, T)
-        attend = jax.checkpoint(functools.partial(
-            _attend_block, start=start, scale=scale))
-        outs.append(attend(q_BTHP[:, start:stop], k_BTHP[:, :stop],
-                           v_BTHE[:, :stop], piece_BT, valid_BT))
-      o_BTHE = jnp.concatenate(outs, axis=1)
+    o_BTHV = _attend(q_BTHK, k_BTHK, v_BTHV, piece_BT, valid_BT,
+                     scale=(Z + R) ** -0.5, q_block=self.q_block)
     if segment_ids is not None:
-      o_BTHE = jnp.where((segment_ids != 0)[:, :, None, None], o_BTHE, 0.0)
+      o_BTHV = jnp.where((segment_ids != 0)[:, :, None, None], o_BTHV, 0.0)
     if self.output_gate:
       gate_BTH = jax.nn.sigmoid(
           dense(H, "g_proj")(x).astype(jnp.float32))
-      o_BTHE = o_BTHE * gate_BTH[..., None]
-    o_BTHE = o_BTHE.astype(x.dtype)
-    return dense(D, "o_proj")(o_BTHE.reshape(B, T, H * E))
+      o_BTHV = o_BTHV * gate_BTH[..., None]
+    o_BTHV = o_BTHV.astype(x.dtype)
+    return dense(D, "o_proj")(o_BTHV.reshape(B, T, H * V))
 
 
 def check_dims(*, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
@@ -229,10 +237,10 @@ def param_count(d_model: int, num_heads: int, *, q_lora_rank: int,
                 qk_rope_head_dim: int, v_head_dim: int,
                 output_gate: bool) -> int:
   """Parameters of one MLA layer, by shape arithmetic (for tests)."""
-  D, H, N, R = d_model, num_heads, qk_nope_head_dim, qk_rope_head_dim
-  E, Q, C = v_head_dim, q_lora_rank, kv_lora_rank
-  n = (D * Q + Q + Q * H * (N + R)) if Q else D * H * (N + R)
-  n += D * (C + R) + C + C * H * (N + E) + H * E * D
+  D, H, Z, R = d_model, num_heads, qk_nope_head_dim, qk_rope_head_dim
+  V, Q, L = v_head_dim, q_lora_rank, kv_lora_rank
+  n = (D * Q + Q + Q * H * (Z + R)) if Q else D * H * (Z + R)
+  n += D * (L + R) + L + L * H * (Z + V) + H * V * D
   if output_gate:
     n += D * H
   return int(n)

@@ -1,24 +1,25 @@
 r"""Bailing / DeepSeek-V3 mixture of experts with aux-loss-free balancing.
 
-Shape glossary: B batch rows, T tokens, N = B*T tokens flat, D model width,
-E routed experts, k experts per token, F expert hidden width, G groups.
+Shape glossary (`kda_lm/model.py`'s): B batch rows, T tokens, M = B*T
+tokens flat, D model width, E routed experts, A experts per token (top-k),
+F expert hidden width, G groups.
 
-  s = sigmoid(x W_router)                    [N,E] float32 router scores
+  s = sigmoid(x W_router)                    [M,E] float32 router scores
   sel = s + stop_gradient(bias)              bias only steers *selection*
   (n_group > 1: keep the `topk_group` groups with the largest sum of their
    top-2 `sel`, mask the other groups' experts out)
-  idx = top_k(sel, k)                        [N,k]
-  w = s[idx] / sum(s[idx]) * routed_scaling_factor     [N,k] from raw scores
+  idx = top_k(sel, A)                        [M,A]
+  w = s[idx] / sum(s[idx]) * routed_scaling_factor     [M,A] from raw scores
   y = sum_j w_j SwiGLU_{idx_j}(x) + SwiGLU_shared(x)
 
-Dispatch is capacity-free (no token is dropped): the N*k (token, expert)
+Dispatch is capacity-free (no token is dropped): the M*A (token, expert)
 pairs are sorted by expert, the tokens gathered into that order, and every
 expert's SwiGLU runs as a ragged matmul (`jax.lax.ragged_dot` with per-expert
 group sizes) over its contiguous slice; the outputs are un-permuted and
-summed with their weights. Compute is that of N*k expert applications
-(`6*N*k*D*F` FLOPs for the routed experts, not `6*N*E*D*F`); memory is
-`N*k*(D + 3F)` activations for the gathered inputs and hidden states plus
-the `[N,E]` scores.
+summed with their weights. Compute is that of M*A expert applications
+(`6*M*A*D*F` FLOPs for the routed experts, not `6*M*E*D*F`); memory is
+`M*A*(D + 3F)` activations for the gathered inputs and hidden states plus
+the `[M,E]` scores.
 
 The selection bias `e_score_correction_bias [E]` is a float32 parameter that
 gradients never reach (`stop_gradient`); the training step moves it with
@@ -63,25 +64,25 @@ def route(scores: jax.Array, bias: jax.Array, top_k: int, *,
   """Selects experts and their combine weights.
 
   Args:
-    scores: [N,E] float32 sigmoid router scores.
+    scores: [M,E] float32 sigmoid router scores.
     bias: [E] selection bias (selection only; no gradient flows to it).
-    top_k: k.
+    top_k: A.
     n_group: expert groups for group-limited selection (1 = none).
     topk_group: groups kept per token.
     routed_scaling_factor: multiplies the renormalised weights.
 
   Returns:
-    (idx [N,k] int32 expert ids, weights [N,k] float32 from the raw scores).
+    (idx [M,A] int32 expert ids, weights [M,A] float32 from the raw scores).
   """
-  N, E = scores.shape
+  M, E = scores.shape
   sel = scores + jax.lax.stop_gradient(bias).astype(scores.dtype)[None]
   sel = jax.lax.stop_gradient(sel)
   if n_group > 1:
-    grouped = sel.reshape(N, n_group, E // n_group)
-    top2 = jax.lax.top_k(grouped, min(2, E // n_group))[0].sum(-1)  # [N,G]
+    grouped = sel.reshape(M, n_group, E // n_group)
+    top2 = jax.lax.top_k(grouped, min(2, E // n_group))[0].sum(-1)  # [M,G]
     _, keep = jax.lax.top_k(top2, topk_group)
-    group_mask = jnp.zeros((N, n_group), bool).at[
-        jnp.arange(N)[:, None], keep].set(True)
+    group_mask = jnp.zeros((M, n_group), bool).at[
+        jnp.arange(M)[:, None], keep].set(True)
     expert_mask = jnp.repeat(group_mask, E // n_group, axis=1)
     sel = jnp.where(expert_mask, sel, -jnp.inf)
   _, idx = jax.lax.top_k(sel, top_k)
@@ -93,7 +94,7 @@ def route(scores: jax.Array, bias: jax.Array, top_k: int, *,
 def expert_load(idx: jax.Array, num_experts: int,
                 valid: Optional[jax.Array] = None) -> jax.Array:
   """Tokens routed to each expert: [E] float32 (padding tokens excluded)."""
-  onehot = jax.nn.one_hot(idx, num_experts, dtype=jnp.float32)  # [N,k,E]
+  onehot = jax.nn.one_hot(idx, num_experts, dtype=jnp.float32)  # [M,A,E]
   if valid is not None:
     onehot = onehot * valid.astype(jnp.float32)[:, None, None]
   return onehot.sum((0, 1))
@@ -149,35 +150,35 @@ def load_metrics(expert_load: jax.Array) -> dict[str, jax.Array]:
           "moe_load_imbalance": (frac.max(-1) * frac.shape[-1]).max()}
 
 
-def dispatch_swiglu(x_ND: jax.Array, idx: jax.Array, w: jax.Array,
+def dispatch_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
                     w_gate_EDF: jax.Array, w_up_EDF: jax.Array,
                     w_down_EFD: jax.Array) -> jax.Array:
   """`sum_j w[n,j] SwiGLU_{idx[n,j]}(x[n])` by sort + ragged matmul.
 
   Args:
-    x_ND: [N,D] tokens.
-    idx: [N,k] expert ids.
-    w: [N,k] combine weights.
+    x_MD: [M,D] tokens.
+    idx: [M,A] expert ids.
+    w: [M,A] combine weights.
     w_gate_EDF, w_up_EDF: [E,D,F] expert input weights.
     w_down_EFD: [E,F,D] expert output weights.
 
   Returns:
-    [N,D] in `x_ND`'s dtype.
+    [M,D] in `x_MD`'s dtype.
   """
-  N, k = idx.shape
+  M, A = idx.shape
   E = w_gate_EDF.shape[0]
-  flat = idx.reshape(-1)                                     # [N*k]
+  flat = idx.reshape(-1)                                     # [M*A]
   order = jnp.argsort(flat, stable=True)
-  token = order // k
+  token = order // A
   sizes = jnp.bincount(flat, length=E).astype(jnp.int32)    # [E]
-  xs = x_ND[token]                                           # [N*k,D]
-  dt = x_ND.dtype
+  xs = x_MD[token]                                           # [M*A,D]
+  dt = x_MD.dtype
   h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate_EDF.astype(dt), sizes)) * (
       jax.lax.ragged_dot(xs, w_up_EDF.astype(dt), sizes))
-  out = jax.lax.ragged_dot(h, w_down_EFD.astype(dt), sizes)  # [N*k,D]
+  out = jax.lax.ragged_dot(h, w_down_EFD.astype(dt), sizes)  # [M*A,D]
   inverse = jnp.zeros_like(order).at[order].set(
       jnp.arange(order.shape[0], dtype=order.dtype))
-  out = out[inverse].reshape(N, k, -1)
+  out = out[inverse].reshape(M, A, -1)
   return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32),
                     w.astype(jnp.float32)).astype(dt)
 
@@ -194,7 +195,7 @@ class MoE(hk.Module):
 
     Args:
       num_experts: E routed experts.
-      num_experts_per_tok: k.
+      num_experts_per_tok: A.
       intermediate_size: F, each expert's hidden width.
       num_shared_experts: shared experts, fused into one SwiGLU of width
         `num_shared_experts * F` (0 = none).
@@ -212,13 +213,12 @@ class MoE(hk.Module):
     check_dims(num_experts=num_experts,
                num_experts_per_tok=num_experts_per_tok, n_group=n_group,
                topk_group=topk_group)
-    self.num_experts = num_experts
-    self.top_k = num_experts_per_tok
+    self.num_experts, self.top_k = num_experts, num_experts_per_tok
     self.hidden = intermediate_size
     self.num_shared = num_shared_experts
-    self.scale = routed_scaling_factor
-    self.n_group = n_group
-    self.topk_group = topk_group
+    # `route`'s selection settings.
+    self.routing = dict(n_group=n_group, topk_group=topk_group,
+                        routed_scaling_factor=routed_scaling_factor)
     self.param_dtype = param_dtype
 
   def __call__(self, x: jax.Array, valid: Optional[jax.Array] = None
@@ -226,7 +226,7 @@ class MoE(hk.Module):
     """Applies the MoE.
 
     Args:
-      x: [B,T,D] (or [N,D]).
+      x: [B,T,D] (or [M,D]).
       valid: optional bool mask like `x[..., 0]` of the tokens that count
         toward the load (False on padding).
 
@@ -235,25 +235,23 @@ class MoE(hk.Module):
     """
     shape = x.shape
     D, E, F = shape[-1], self.num_experts, self.hidden
-    x_ND = x.reshape(-1, D)
+    x_MD = x.reshape(-1, D)
     w_router = hk.get_parameter(
         "router", [D, E], jnp.float32,
         init=hk.initializers.TruncatedNormal(D ** -0.5))
     bias = hk.get_parameter(BIAS_NAME, [E], jnp.float32, init=jnp.zeros)
-    scores = jax.nn.sigmoid(jnp.dot(x_ND.astype(jnp.float32), w_router))
-    idx, w = route(scores, bias, self.top_k, n_group=self.n_group,
-                   topk_group=self.topk_group,
-                   routed_scaling_factor=self.scale)
+    scores = jax.nn.sigmoid(jnp.dot(x_MD.astype(jnp.float32), w_router))
+    idx, w = route(scores, bias, self.top_k, **self.routing)
     init_in = hk.initializers.TruncatedNormal(D ** -0.5)
     init_out = hk.initializers.TruncatedNormal(F ** -0.5)
     pdt = self.param_dtype
     w_gate = hk.get_parameter("gate_proj", [E, D, F], pdt, init=init_in)
     w_up = hk.get_parameter("up_proj", [E, D, F], pdt, init=init_in)
     w_down = hk.get_parameter("down_proj", [E, F, D], pdt, init=init_out)
-    y = dispatch_swiglu(x_ND, idx, w, w_gate, w_up, w_down)
+    y = dispatch_swiglu(x_MD, idx, w, w_gate, w_up, w_down)
     if self.num_shared:
       y = y + mlp.SwiGLU(self.num_shared * F, param_dtype=pdt,
-                         name="shared_experts")(x_ND)
+                         name="shared_experts")(x_MD)
     load = expert_load(idx, E, None if valid is None else valid.reshape(-1))
     return y.reshape(shape), load
 

@@ -194,6 +194,25 @@ def _kda_varlen(q, k, v, g, beta, initial_state, A_log, dt_bias, doc_idx,
   return o[tok_doc, tok_off][None], state
 
 
+def _varlen_indices(cu_seqlens, N, T):
+  """Gather/scatter indices of the cu_seqlens path (L = longest document).
+
+  Returns:
+    doc_idx [N,L] int32 (token of each document slot), doc_valid [N,L] bool,
+    tok_doc [T] int32 (each token's document), tok_off [T] int32 (its slot).
+  """
+  cu = np.asarray(cu_seqlens).astype(np.int64)
+  lens = np.diff(cu)
+  L = max(int(lens.max()), 1)
+  offs = np.arange(L)[None, :]
+  doc_valid = offs < lens[:, None]
+  doc_idx = np.where(doc_valid, cu[:-1, None] + offs, 0)
+  tok_doc = np.repeat(np.arange(N), lens)
+  tok_off = np.arange(T) - cu[tok_doc]
+  return (doc_idx.astype(np.int32), doc_valid, tok_doc.astype(np.int32),
+          tok_off.astype(np.int32))
+
+
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
               output_final_state=False, segment_ids=None, cu_seqlens=None,
               A_log=None, dt_bias=None, use_gate_in_kernel=False,
@@ -266,17 +285,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
     o, state = _kda_core(q, k, v, g, beta, segment_ids, initial_state, A_log,
                          dt_bias, **core_kwargs)
   else:
-    cu = np.asarray(cu_seqlens).astype(np.int64)
-    lens = np.diff(cu)
-    L = max(int(lens.max()), 1)
-    offs = np.arange(L)[None, :]
-    doc_valid = offs < lens[:, None]                              # [N,L]
-    doc_idx = np.where(doc_valid, cu[:-1, None] + offs, 0)        # [N,L]
-    tok_doc = np.repeat(np.arange(N), lens)                       # [T]
-    tok_off = np.arange(T) - cu[tok_doc]                          # [T]
     o, state = _kda_varlen(
         q, k, v, g, beta, initial_state, A_log, dt_bias,
-        doc_idx.astype(np.int32), doc_valid, tok_doc.astype(np.int32),
-        tok_off.astype(np.int32),
+        *_varlen_indices(cu_seqlens, N, T),
         core_kwargs=tuple(sorted(core_kwargs.items())))
   return o.astype(q.dtype), (state if output_final_state else None)

@@ -1,0 +1,128 @@
+"""Helpers shared by the tests and the benchmarks: the error metric and
+random KDA inputs.
+
+Error metric. `rel_err(a, b) = ||a - b||_2 / ||b||_2` over the whole array,
+in float64 (0 when both are exactly zero). A norm-wise error does not blow up
+on the many entries that are near zero (where an element-wise rtol is
+meaningless) and is invariant to the array's size and scale; it is FLA's
+`get_err_ratio` (relative RMS).
+
+Inputs use FLA's test distributions; shapes follow `kda_lm.ops.chunk_kda`
+(B rows, T tokens, H heads, K key dim, V value dim, N documents).
+"""
+
+from typing import Any
+
+import numpy as np
+
+
+def rel_err(a: Any, b: Any) -> float:
+  """`||a - b||_2 / ||b||_2` in float64; 0 if both are exactly zero, inf if
+  only `b` is.
+
+  Raises:
+    AssertionError: the shapes differ.
+  """
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  assert a.shape == b.shape, (a.shape, b.shape)
+  num = np.linalg.norm((a - b).ravel())
+  den = np.linalg.norm(b.ravel())
+  if den == 0.0:
+    return 0.0 if num == 0.0 else float("inf")
+  return float(num / den)
+
+
+def _sigmoid(x):
+  return 1.0 / (1.0 + np.exp(-x))
+
+
+def _logsigmoid(x):
+  return -np.logaddexp(0.0, -x)
+
+
+def _add_spikes(rng, g):
+  """-1000 gates (hard resets): a full token, half the channels of token 64
+  (a chunk's first row) and scattered entries."""
+  g = g.copy()
+  t, K = g.shape[1], g.shape[-1]
+  g[:, min(10, t - 1)] = -1000.0
+  if t > 64:
+    g[:, 64, :, : K // 2] = -1000.0
+  g[rng.random(g.shape) < 0.01] = -1000.0
+  return g
+
+
+def kda_inputs(rng: np.random.Generator, B: int, T: int, H: int, K: int,
+               V: int, *, gate: str = "pre", l2norm: bool = False,
+               h0: bool = True, spikes: bool = False
+               ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+  """Random float32 `chunk_kda` inputs in FLA's test distributions.
+
+  Args:
+    rng: numpy Generator.
+    B, T, H, K, V: the shapes.
+    gate: "pre" (pre-activated logsigmoid gates), "softplus" (raw gates, the
+      in-kernel softplus form) or "safe" (raw gates, in-kernel
+      lower_bound=-5 form with safe_gate=True).
+    l2norm: use_qk_l2norm_in_kernel; when off, k is L2-normalised here (as
+      in FLA's tests) so the delta rule stays contractive.
+    h0: pass a random initial_state [B,H,K,V].
+    spikes: hard resets in the gates (with gate="pre" only).
+
+  Returns:
+    (params dict for chunk_kda, static kwargs dict).
+
+  Raises:
+    ValueError: an unknown gate, or spikes with another gate than "pre".
+  """
+  randn = lambda *s: rng.standard_normal(s).astype(np.float32)
+  q, k, v, x = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V), randn(
+      B, T, H, K)
+  if not l2norm:
+    k = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + 1e-6)
+  params = dict(q=q, k=k, v=v, beta=_sigmoid(randn(B, T, H)))
+  static = dict(use_qk_l2norm_in_kernel=l2norm)
+  if gate == "pre":
+    g = _logsigmoid(x)
+  elif gate == "softplus":
+    g = x
+    params["A_log"] = np.log(rng.uniform(1, 16, H)).astype(np.float32)
+    params["dt_bias"] = randn(H * K)
+    static["use_gate_in_kernel"] = True
+  elif gate == "safe":
+    g = x
+    params["A_log"] = rng.uniform(-1, 1, H).astype(np.float32)
+    params["dt_bias"] = randn(H * K)
+    static.update(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True)
+  else:
+    raise ValueError(f"Unknown gate {gate!r}.")
+  if spikes:
+    if gate != "pre":
+      raise ValueError("spikes need gate='pre'.")
+    g = _add_spikes(rng, g)
+  params["g"] = g.astype(np.float32)
+  if h0:
+    params["initial_state"] = randn(B, H, K, V)
+  params = {n: np.asarray(a, np.float32) for n, a in params.items()}
+  return params, static
+
+
+def kda_cotangents(rng: np.random.Generator, o_shape: tuple[int, ...],
+                   N: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+  """float32 cotangents: `do` like o [B,T,H,V] and `dht` [N,H,K,V]."""
+  do = rng.standard_normal(o_shape).astype(np.float32)
+  H, V = o_shape[2], o_shape[3]
+  dht = rng.standard_normal((N, H, K, V)).astype(np.float32)
+  return do, dht
+
+
+def document_ids(rng: np.random.Generator, B: int, T: int, docs: int
+                 ) -> np.ndarray:
+  """[B,T] int32 segment ids: each row `docs` contiguous documents of random
+  lengths (ids 1..docs, no padding); all zeros when `docs` is 0."""
+  ids = np.zeros((B, T), np.int32)
+  for b in range(B if docs > 0 else 0):
+    cuts = np.sort(rng.choice(np.arange(1, T), docs - 1, replace=False))
+    ids[b] = np.searchsorted(cuts, np.arange(T), side="right") + 1
+  return ids
