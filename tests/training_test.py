@@ -19,7 +19,7 @@ import pytest
 
 from configs import ling3_tiny
 from data import pipeline
-from kda_lm import checkpointing, metrics, optimizer, sharding, training
+from kda_lm import checkpointing, metrics, training
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -347,24 +347,6 @@ def test_check_batch_names_bad_token():
     training.check_batch(batch, 9, "the batch of step 7")
 
 
-def test_weight_decay_mask():
-  params = {
-      "layer_0/attn_norm": {"weight": np.ones(4)},
-      "layer_0/kda": {"A_log": np.ones(2), "dt_bias": np.ones(8)},
-      "layer_0/kda/q_proj": {"w": np.ones((4, 4)), "b": np.ones(4)},
-      "layer_0/kda/q_conv1d": {"weight": np.ones((4, 4))},
-      "embed": {"embeddings": np.ones((8, 4))},
-  }
-  mask = optimizer.weight_decay_mask(params)
-  assert mask == {
-      "layer_0/attn_norm": {"weight": False},
-      "layer_0/kda": {"A_log": False, "dt_bias": False},
-      "layer_0/kda/q_proj": {"w": True, "b": False},
-      "layer_0/kda/q_conv1d": {"weight": True},
-      "embed": {"embeddings": True},
-  }
-
-
 _FOUR_DEVICES = """
 import importlib.util
 import sys
@@ -411,17 +393,3 @@ def test_four_devices_match_one(tmp_path, data_dir, cache_dir):
         if key in want:
           np.testing.assert_allclose(row[key], want[key], rtol=2e-5,
                                      atol=1e-6, err_msg=key)
-
-
-def test_fsdp_shardings():
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1),
-                           ("data", "fsdp"))
-  abstract = {"w": jax.ShapeDtypeStruct((8, 6), np.float32),
-              "s": jax.ShapeDtypeStruct((), np.int32)}
-  shardings = sharding.state_shardings(abstract, mesh)
-  assert shardings["w"].spec == jax.sharding.PartitionSpec()
-  assert sharding.leaf_spec((8, 6), 2) == jax.sharding.PartitionSpec(
-      "fsdp", None)
-  assert sharding.leaf_spec((3, 6), 2) == jax.sharding.PartitionSpec(
-      None, "fsdp")
-  assert sharding.leaf_spec((3, 5), 2) == jax.sharding.PartitionSpec()

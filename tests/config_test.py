@@ -1,0 +1,85 @@
+"""Tests of kda_lm/config.py: typed sections, defaults and key checks."""
+
+import dataclasses
+
+import ml_collections
+import pytest
+
+from configs import ling3_tiny
+from kda_lm import config
+
+
+def test_config_dict_round_trip_gives_the_defaults():
+  for cls in (config.OptConfig, config.TrainConfig, config.EvalConfig,
+              config.CheckpointConfig, config.MeshConfig):
+    section = config.config_dict(cls)
+    assert set(section.keys()) == set(config.field_names(cls))
+    assert config.from_config(cls, section, "x", required=True) == cls()
+
+
+def test_model_config_resolves_none_defaults():
+  m = config.ModelConfig.from_config(ling3_tiny.model_config())
+  assert m.kda_head_v_dim == m.head_dim == 32
+  assert m.mla_num_heads == m.num_heads == 4
+  assert m.moe_intermediate_size == 128 and m.embed_init_std == 1.0
+  assert [m.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    m.d_model = 64  # type: ignore[misc]
+  # Only what differs from the defaults is set: a dense model with no
+  # expert width keeps None.
+  dense = config.ModelConfig.from_config(dict(
+      vocab_size=8, d_model=8, attention_pattern="K", num_heads=1,
+      head_dim=8, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=4,
+      v_head_dim=4, mlp_hidden_dim=8))
+  assert dense.moe_intermediate_size is None and not dense.has_aux_outputs
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("d_model", 0, "model.d_model must be a positive int"),
+    ("num_experts", -1, "model.num_experts must be an int >= 0"),
+    ("mtp_layer_kind", "X", "model.mtp_layer_kind"),
+    ("norm_eps", 0.0, "norm_eps"),
+    ("param_dtype", "int8", "model.param_dtype"),
+])
+def test_model_config_errors_name_the_field(key, value, match):
+  values = ling3_tiny.model_config()
+  values[key] = value
+  with pytest.raises(ValueError, match=match):
+    config.ModelConfig.from_config(values)
+
+
+def test_unknown_and_missing_keys():
+  values = ling3_tiny.model_config()
+  values.d_modell = 3
+  with pytest.raises(ValueError, match=r"config\.model\.d_modell"):
+    config.ModelConfig.from_config(values)
+  with pytest.raises(ValueError, match="lacks the required key 'd_model'"):
+    config.ModelConfig.from_config({"vocab_size": 8})
+  opt = config.config_dict(config.OptConfig)
+  del opt["b1"]
+  with pytest.raises(ValueError, match=r"Missing config keys.*b1"):
+    config.from_config(config.OptConfig, opt, "opt", required=True)
+  with pytest.raises(ValueError, match="must be a ConfigDict"):
+    config.from_config(config.OptConfig, 3, "opt")
+
+
+def test_section_errors():
+  with pytest.raises(ValueError, match="train.num_steps"):
+    config.TrainConfig(num_steps=0)
+  with pytest.raises(ValueError, match="eval.every_steps"):
+    config.EvalConfig(every_steps=-1)
+  with pytest.raises(ValueError, match="checkpoint.every_steps"):
+    config.CheckpointConfig(every_steps=0)
+  with pytest.raises(ValueError, match="peak_lr"):
+    config.OptConfig(peak_lr=-1.0)
+
+
+def test_command_line_style_override_of_a_none_field():
+  c = ling3_tiny.get_config()
+  c.lock()
+  c.model.kda_head_v_dim = 16        # a typed FieldReference(None) field
+  c.opt.decay_steps = 100
+  assert config.ModelConfig.from_config(c.model).kda_head_v_dim == 16
+  with pytest.raises(AttributeError):
+    c.model.not_a_field = 1
+  assert isinstance(c.model, ml_collections.ConfigDict)

@@ -1,0 +1,38 @@
+"""Tests of kda_lm/losses.py: masked cross-entropy and the MTP loss."""
+
+import jax.numpy as jnp
+import layers_mtp_test
+import numpy as np
+import optax
+
+from kda_lm import losses
+
+# A packed row of two documents, then padding.
+ROW = layers_mtp_test.ROW
+
+
+def test_loss_terms_are_masked_sums():
+  rng = np.random.default_rng(1)
+  logits = jnp.asarray(rng.normal(size=(1, 8, 32)), jnp.float32)
+  batch = {k: jnp.asarray(v) for k, v in ROW.items()}
+  loss_sum, correct, weight = losses.loss_terms(logits, batch)
+  ce = optax.softmax_cross_entropy_with_integer_labels(
+      logits[0, :7], batch["targets"][0, :7])
+  np.testing.assert_allclose(loss_sum, ce.sum(), rtol=1e-6)
+  hits = np.argmax(logits[0, :7], -1) == ROW["targets"][0, :7]
+  assert float(correct) == hits.sum() and float(weight) == 7.0
+
+
+def test_mtp_loss_ignores_padding_and_boundaries():
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(1, 1, 8, 32)), jnp.float32)
+  batch = {k: jnp.asarray(v) for k, v in ROW.items()}
+  base = losses.mtp_loss(logits, batch)
+  # Garbage at positions without an MTP target changes nothing.
+  noisy = logits.at[0, 0, jnp.array([2, 6, 7])].set(1e3)
+  np.testing.assert_allclose(losses.mtp_loss(noisy, batch), base,
+                             rtol=1e-6)
+  want = optax.softmax_cross_entropy_with_integer_labels(
+      logits[0, 0, jnp.array([0, 1, 3, 4, 5])],
+      jnp.array([12, 13, 22, 23, 24])).mean()
+  np.testing.assert_allclose(base, want, rtol=1e-6)
