@@ -338,11 +338,11 @@ def test_golden_fixture(case, impl):
 # Only cases without an initial state keep this exact: a packed row has one
 # `initial_state`, for its first segment, and every later segment starts from
 # zero, whereas FLA gives each document its own (random) state. So "dense"
-# (its two one-document rows, concatenated) and "varlen_lowerbound" (1-token
-# documents at t=0 and at a chunk's first row, 63- and 125-token documents
-# crossing chunks) run; "dense_h0", "varlen", "varlen_gate_l2" and "spikes"
-# carry initial states that only `cu_seqlens` (or one document per row) can
-# feed.
+# (its two one-document rows, concatenated: a boundary inside a chunk) and
+# "varlen_lowerbound" (1-token documents at t=0 and at a chunk's first row,
+# a 125-token one crossing chunks) run; "dense_h0", "varlen", "varlen_gate_l2"
+# and "spikes" carry initial states that only `cu_seqlens` (or one document
+# per row) can feed.
 #
 # A row returns one final state, after its last document. To check every
 # document's final state and the exact golden gradients, the batch holds N
