@@ -1,5 +1,7 @@
 """Tests of kda_lm/layers/mla.py (and rope.py): MLA == a naive attention."""
 
+import functools
+
 import haiku as hk
 import jax
 import numpy as np
@@ -179,3 +181,45 @@ def test_bad_dims_and_shapes():
     _transformed(q_block=0).init(jax.random.key(0), x)
   with pytest.raises(ValueError, match="positions"):
     f.init(jax.random.key(0), x, None, np.ones((4,), np.int32))
+
+
+def record_rope(monkeypatch):
+  """Makes `rope.apply_rope` record (positions, rotated output) per call;
+  returns `run(f, *args)`: jit(f)(*args)'s recorded calls, as numpy."""
+  calls = []
+  apply_rope = rope.apply_rope
+
+  def recording(x, positions, theta):
+    out = apply_rope(x, positions, theta)
+    calls.append((positions, out))
+    return out
+
+  def traced(f, *args):
+    calls.clear()
+    f(*args)
+    return list(calls)
+
+  monkeypatch.setattr(rope, "apply_rope", recording)
+  return lambda f, *args: jax.tree.map(
+      np.asarray, jax.jit(functools.partial(traced, f))(*args))
+
+
+def test_document_at_an_offset_gets_its_own_rope_positions(monkeypatch):
+  """Packed at t=4, document 2 gets the positions and rotated q/k it gets
+  alone (RoPE being relative, the attention output alone would not show a
+  shift of a whole document)."""
+  run = record_rope(monkeypatch)
+  rng = np.random.default_rng(4)
+  # Row 0: SEG's packed row; row 1: its document 2 alone, then padding.
+  x = np.zeros((2, 12, D), np.float32)
+  x[0] = rng.standard_normal((12, D))
+  x[1, :5] = x[0, 4:9]
+  seg = np.stack([SEG[0], [1] * 5 + [0] * 7]).astype(np.int32)
+  f = _transformed()
+  params = f.init(jax.random.key(4), x, seg)
+  (pos_q, q), (pos_k, k) = run(f.apply, params, x, seg)
+  for pos in (pos_q, pos_k):
+    np.testing.assert_array_equal(pos[0], POS[0])
+    np.testing.assert_array_equal(pos[1, :5], np.arange(5))
+  np.testing.assert_allclose(q[0, 4:9], q[1, :5], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(k[0, 4:9], k[1, :5], rtol=1e-6, atol=1e-6)

@@ -143,3 +143,31 @@ def test_update_step_mtp_loss_and_router_bias():
         old + rate * np.sign(np.mean(load) - load), rtol=0, atol=1e-7)
   assert np.any(new.params["layer_1/moe"]["gate_proj"]
                 != params["layer_1/moe"]["gate_proj"])
+
+
+def test_mtp_logits_packed_equal_alone_at_every_position():
+  """Every position of each document, its last k+1 included.
+
+  Past its document's end, MTP layer k reads a zero embedding, which is what
+  the document sees alone (followed by padding); the embedding of the next
+  document must not leak into those logits, nor into the MoE load.
+  """
+  m, params, apply = _setup()
+  del m
+  tokens, seg = moe_test._alone_rows(*model_test._packed_row(4))
+  _, aux = apply(params, tokens, seg, return_aux=True)
+  mtp_logits = np.asarray(aux["mtp_logits"])
+  for i, n in enumerate(model_test.LENS):
+    for k in range(2):
+      got = model_test._doc(mtp_logits[k, :1], i)[0]
+      want = mtp_logits[k, 1 + i, :n]
+      err = np.abs(got - want).max() / np.abs(want).max()
+      assert err <= 1e-5, (i, k, err)
+  # The packed row's expert load (this batch's minus the same batch with row
+  # 0 all padding) equals that of the documents alone, in every MoE layer.
+  tokens0, seg0 = tokens.copy(), seg.copy()
+  tokens0[0], seg0[0] = 0, 0
+  _, aux0 = apply(params, tokens0, seg0, return_aux=True)
+  load_all = np.asarray(aux["expert_load"])
+  load_alone = np.asarray(aux0["expert_load"])
+  np.testing.assert_array_equal(load_all - load_alone, load_alone)

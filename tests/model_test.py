@@ -7,6 +7,7 @@ import sys
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import layers_mla_test
 import numpy as np
 import pytest
 
@@ -252,3 +253,30 @@ def test_bad_inputs():
   bad, seg = _packed_row(6)
   bad[0, 5] = -1
   assert np.all(np.isnan(np.asarray(apply(params, bad, seg))[0, 5]))
+
+
+def test_packed_documents_get_their_own_rope_positions(monkeypatch):
+  """Without a `positions` argument, each document's RoPE positions (and
+  rotated q/k) in every MLA layer are the ones it gets alone. RoPE is
+  relative, so the logits alone would barely show a document shifted to its
+  row offset."""
+  run = layers_mla_test.record_rope(monkeypatch)
+  m = model.build(tiny_config(attention_pattern="MM"))
+  # Row 0 packed; row 1 + i: document i alone at the row start, padded.
+  packed_tokens, packed_seg = _packed_row(5)
+  tokens, seg = [packed_tokens[0]], [packed_seg[0]]
+  for i, n in enumerate(LENS):
+    tokens.append(np.pad(_doc(packed_tokens, i)[0], (0, T - n)))
+    seg.append(np.pad(np.ones(n, np.int32), (0, T - n)))
+  tokens, seg = np.stack(tokens), np.stack(seg)
+  params = jax.jit(m.init)(jax.random.key(0), tokens, seg)
+  calls = run(m.apply, params, tokens, seg)
+  assert len(calls) == 4                       # q and k of two MLA layers
+  for pos, rotated in calls:
+    for i, n in enumerate(LENS):
+      np.testing.assert_array_equal(_doc(pos[:1], i)[0], np.arange(n))
+      np.testing.assert_array_equal(pos[1 + i, :n], np.arange(n))
+      alone = rotated[1 + i, :n]
+      err = np.abs(_doc(rotated[:1], i)[0] - alone).max() / np.abs(
+          alone).max()
+      assert err <= 1e-5, (i, err)
