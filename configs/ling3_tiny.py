@@ -176,6 +176,8 @@ def mesh_config() -> ml_collections.ConfigDict:
   m.coordinator_address = ml_collections.FieldReference(None, field_type=str)
   m.num_processes = ml_collections.FieldReference(None, field_type=int)
   m.process_id = ml_collections.FieldReference(None, field_type=int)
+  # Seconds every process may take to reach the coordinator (distributed).
+  m.coordinator_timeout_s = 300
   return m
 
 

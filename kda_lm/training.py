@@ -50,7 +50,7 @@ import numpy as np
 import optax
 
 from data import pipeline
-from kda_lm import checkpointing
+from kda_lm import checkpointing, distributed
 from kda_lm import metrics as metrics_lib
 
 PyTree = Any
@@ -74,7 +74,7 @@ SECTION_KEYS = {
     "eval": ("every_steps", "num_batches"),
     "checkpoint": ("enabled", "every_steps", "max_to_keep", "async_save"),
     "mesh": ("data", "fsdp", "distributed", "coordinator_address",
-             "num_processes", "process_id"),
+             "num_processes", "process_id", "coordinator_timeout_s"),
 }
 SECTIONS = ("model", "data", *SECTION_KEYS)
 
@@ -394,21 +394,6 @@ def make_eval_fn(model: hk.Transformed
 # Devices and sharding.
 
 
-def maybe_initialize_distributed(mesh_config: ml_collections.ConfigDict
-                                 ) -> None:
-  """Calls `jax.distributed.initialize` when `config.mesh.distributed`."""
-  if not mesh_config.distributed:
-    return
-  if jax.distributed.is_initialized():
-    return
-  kwargs = {}
-  for key in ("coordinator_address", "num_processes", "process_id"):
-    if mesh_config[key] is not None:
-      kwargs[key] = mesh_config[key]
-  logging.info("jax.distributed.initialize(%s)", kwargs)
-  jax.distributed.initialize(**kwargs)
-
-
 def make_mesh(mesh_config: ml_collections.ConfigDict,
               devices: list[Any] | None = None) -> jax.sharding.Mesh:
   """A (`data`, `fsdp`) mesh over all devices.
@@ -613,10 +598,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
     FloatingPointError: a non-finite loss, gradient or update.
   """
   start_time = time.time()
+  # First: check_config already touches the backend (impl="auto").
+  distributed.initialize(config.get("mesh"))
   check_config(config)
-  maybe_initialize_distributed(config.mesh)
   workdir = os.path.abspath(os.path.expanduser(workdir))
-  is_main = jax.process_index() == 0
+  is_main = distributed.is_main_process()
   if is_main:
     os.makedirs(workdir, exist_ok=True)
     _write_config(config, workdir)
@@ -654,7 +640,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
   logging.info("Model: %s parameters; mesh %s.", f"{num_params:,}",
                dict(mesh.shape))
 
-  train_it = pipeline.make_train_iterator(config.data, workdir=workdir)
+  with distributed.main_process_first("kda_lm: data built"):
+    train_it = pipeline.make_train_iterator(config.data, workdir=workdir)
   eval_every = int(config.eval.every_steps)
   eval_batches = None
   if eval_every > 0:
