@@ -33,9 +33,6 @@ import jax
 from jax.experimental import multihost_utils
 import ml_collections
 
-# The `config.mesh` keys this module reads.
-MESH_KEYS = ("distributed", "coordinator_address", "num_processes",
-             "process_id", "coordinator_timeout_s")
 _ADDRESS_KEYS = ("coordinator_address", "num_processes", "process_id")
 CPU_COLLECTIVES_ENV = "JAX_CPU_COLLECTIVES_IMPLEMENTATION"
 
@@ -173,10 +170,10 @@ def initialize(mesh_config: ml_collections.ConfigDict) -> bool:
     Whether this process runs distributed (False: `distributed` is off).
 
   Raises:
-    ValueError: bad `config.mesh` fields (see `options`), or no cluster
-      detected when the three address fields are unset.
+    ValueError: bad `config.mesh` fields (see `options`), no cluster
+      detected when the three address fields are unset, or (process 0) the
+      coordinator's port is taken.
     RuntimeError: a JAX backend was initialised before this call.
-    ValueError: (process 0) the coordinator's port is taken.
     TimeoutError: (processes other than 0) the coordinator did not accept a
       connection within `config.mesh.coordinator_timeout_s`.
   """
