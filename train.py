@@ -1,6 +1,8 @@
 r"""Trains a kda-lm model: `python train.py --config=configs/ling3_tiny.py`.
 
 Rerunning the same command resumes from the newest checkpoint in --workdir.
+With `--config.mesh.distributed=True` every process runs this command with its
+own `--config.mesh.process_id` (see `kda_lm/distributed.py`).
 
   python train.py --config=configs/ling3_tiny.py:kda_only \
       --config.train.num_steps=200 --workdir=/tmp/kda_only
@@ -12,6 +14,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import kda_lm  # noqa: F401  (first: sets XLA:CPU flags before JAX starts)
+from kda_lm import distributed
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
@@ -34,6 +37,8 @@ def _default_workdir(config_arg: str) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}.")
+  # Before anything can touch a JAX backend (config checks included).
+  distributed.initialize(_CONFIG.value.get("mesh"))
   # pylint: disable=g-import-not-at-top
   from kda_lm import metrics, training
   metrics.quiet_library_logs()

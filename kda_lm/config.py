@@ -416,6 +416,8 @@ class MeshConfig:
   coordinator_address: Optional[str] = None
   num_processes: Optional[int] = None
   process_id: Optional[int] = None
+  # Seconds every process may take to reach the coordinator (distributed).
+  coordinator_timeout_s: int = 300
 
 
 # The sections of a training config besides `data` (see data/pipeline.py).

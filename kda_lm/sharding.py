@@ -8,9 +8,7 @@ The batch is sharded over both mesh axes, parameters and optimizer state over
 
 from typing import Any, Mapping
 
-from absl import logging
 import jax
-import ml_collections
 import numpy as np
 
 PyTree = Any
@@ -18,21 +16,6 @@ P = jax.sharding.PartitionSpec
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
-
-
-def maybe_initialize_distributed(mesh_config: ml_collections.ConfigDict
-                                 ) -> None:
-  """Calls `jax.distributed.initialize` when `config.mesh.distributed`."""
-  if not mesh_config.distributed:
-    return
-  if jax.distributed.is_initialized():
-    return
-  kwargs = {}
-  for key in ("coordinator_address", "num_processes", "process_id"):
-    if mesh_config[key] is not None:
-      kwargs[key] = mesh_config[key]
-  logging.info("jax.distributed.initialize(%s)", kwargs)
-  jax.distributed.initialize(**kwargs)
 
 
 def make_mesh(mesh_config: Any, devices: list[Any] | None = None

@@ -50,7 +50,7 @@ import numpy as np
 import optax
 
 from data import pipeline
-from kda_lm import checkpointing, losses, optimizer, sharding
+from kda_lm import checkpointing, distributed, losses, optimizer, sharding
 from kda_lm import config as config_lib
 from kda_lm import metrics as metrics_lib
 from kda_lm import model as model_lib
@@ -365,7 +365,7 @@ class _Run:
     self.cfg = cfg
     self.start_time = start_time
     workdir = os.path.abspath(os.path.expanduser(workdir))
-    is_main = jax.process_index() == 0
+    is_main = distributed.is_main_process()
     if is_main:
       os.makedirs(workdir, exist_ok=True)
       _write_config(config, workdir)
@@ -377,7 +377,9 @@ class _Run:
       raise ValueError(f"config.data.batch_size {cfg.data.batch_size} is "
                        f"not a multiple of the {self.mesh.size} devices.")
     self._build_steps()
-    self.train_it = pipeline.make_train_iterator(cfg.data, workdir=workdir)
+    # Process 0 builds the TFDS data; the others then read it.
+    with distributed.main_process_first("kda_lm: data built"):
+      self.train_it = pipeline.make_train_iterator(cfg.data, workdir=workdir)
     self.eval_batches = None
     if cfg.eval.every_steps > 0:
       self.eval_batches = pipeline.make_eval_iterator(
@@ -558,8 +560,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
     FloatingPointError: a non-finite loss, gradient or update.
   """
   start_time = time.time()
+  # First: the config checks already touch the backend (impl="auto").
+  distributed.initialize(config.get("mesh"))
   run_config = check_config(config)
-  sharding.maybe_initialize_distributed(config.mesh)
   run = _Run(config, run_config, workdir, start_time)
   try:
     state = run.restore_or_init()
