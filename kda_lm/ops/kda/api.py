@@ -9,6 +9,7 @@ import functools
 import logging
 
 import jax
+from jax.interpreters import ad
 import jax.numpy as jnp
 import numpy as np
 
@@ -243,6 +244,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
   Raises:
     ValueError: on any malformed argument, before tracing.
     NotImplementedError: impl="pallas" with shapes it does not support.
+    TypeError: forward-mode autodiff (jax.jvp) of impl="xla" or "pallas",
+      whose backward passes are custom VJPs; use impl="reference".
   """
   requested = impl
   impl = resolve_impl(impl)
@@ -262,21 +265,57 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
       use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
       safe_gate=bool(safe_gate), impl=impl, chunk_size=chunk_size,
       pallas_options=pallas.read_options() if impl == "pallas" else None)
-  if cu_seqlens is None:
-    o, state = _kda_core(q, k, v, g, beta, segment_ids, initial_state, A_log,
-                         dt_bias, **core_kwargs)
-  else:
-    cu = np.asarray(cu_seqlens).astype(np.int64)
-    lens = np.diff(cu)
-    L = max(int(lens.max()), 1)
-    offs = np.arange(L)[None, :]
-    doc_valid = offs < lens[:, None]                              # [N,L]
-    doc_idx = np.where(doc_valid, cu[:-1, None] + offs, 0)        # [N,L]
-    tok_doc = np.repeat(np.arange(N), lens)                       # [T]
-    tok_off = np.arange(T) - cu[tok_doc]                          # [T]
-    o, state = _kda_varlen(
-        q, k, v, g, beta, initial_state, A_log, dt_bias,
-        doc_idx.astype(np.int32), doc_valid, tok_doc.astype(np.int32),
-        tok_off.astype(np.int32),
-        core_kwargs=tuple(sorted(core_kwargs.items())))
+  if impl != "reference":
+    _check_reverse_mode(impl, (q, k, v, g, beta, initial_state, A_log,
+                               dt_bias))
+  o, state = _run(q, k, v, g, beta, initial_state, segment_ids, cu_seqlens,
+                  A_log, dt_bias, core_kwargs)
   return o.astype(q.dtype), (state if output_final_state else None)
+
+
+def _forward_mode(x):
+  """True if `x` is traced by forward-mode autodiff (jvp, also inside
+  another autodiff tracer, as in jax.hessian)."""
+  while isinstance(x, jax.core.Tracer):
+    if isinstance(x, ad.JVPTracer):
+      return True
+    x = getattr(x, "primal", None)
+  return False
+
+
+def _check_reverse_mode(impl, args):
+  """The chunked paths have hand-derived custom VJPs: reverse mode only.
+
+  Raises:
+    TypeError: an argument is traced by forward-mode autodiff.
+  """
+  if any(_forward_mode(x) for x in args):
+    raise TypeError(
+        f"chunk_kda(impl={impl!r}) supports reverse-mode autodiff only "
+        "(jax.grad, jax.vjp): its backward is a hand-derived custom VJP. "
+        "Forward mode (jax.jvp, jax.jacfwd, jax.hessian) needs "
+        "impl='reference'.")
+
+
+def _run(q, k, v, g, beta, initial_state, segment_ids, cu_seqlens, A_log,
+         dt_bias, core_kwargs):
+  """Runs `_kda_core` on rows, or on documents gathered from cu_seqlens."""
+  if cu_seqlens is None:
+    return _kda_core(q, k, v, g, beta, segment_ids, initial_state, A_log,
+                     dt_bias, **core_kwargs)
+  T = q.shape[1]
+  cu = np.asarray(cu_seqlens).astype(np.int64)
+  N = cu.size - 1
+  lens = np.diff(cu)
+  L = max(int(lens.max()), 1)
+  offs = np.arange(L)[None, :]
+  doc_valid = offs < lens[:, None]                              # [N,L]
+  doc_idx = np.where(doc_valid, cu[:-1, None] + offs, 0)        # [N,L]
+  tok_doc = np.repeat(np.arange(N), lens)                       # [T]
+  tok_off = np.arange(T) - cu[tok_doc]                          # [T]
+  o, state = _kda_varlen(
+      q, k, v, g, beta, initial_state, A_log, dt_bias,
+      doc_idx.astype(np.int32), doc_valid, tok_doc.astype(np.int32),
+      tok_off.astype(np.int32),
+      core_kwargs=tuple(sorted(core_kwargs.items())))
+  return o, state
