@@ -62,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda_lm.ops import chunk_kda
+from kda_lm.ops.kda import api
 
 _IMPL = flags.DEFINE_string("impl", "xla", "Implementation to compare with "
                             "the reference (xla; later pallas).")
@@ -88,11 +89,14 @@ _HANG_S = flags.DEFINE_float("hang_s", 900.0, "Give up (print what was "
                              "measured, exit 2) if one measurement takes "
                              "longer than this.")
 
-CHUNK = 64
+_CHUNK = flags.DEFINE_integer("chunk_size", None, "chunk_size passed to "
+                              "chunk_kda (default: the op's choice per "
+                              "backend, `api.default_chunk_size`).")
+
 MIB = 2.0 ** 20
 
 
-def flops_per_token_head(K, V, C=CHUNK, backward=False):
+def flops_per_token_head(K, V, C, backward=False):
   """Matmul FLOPs of chunked KDA per token and head (multiply-add = 2).
 
   Per chunk of C rows: Aqk = (q)(k)^T and Akk = (k)(k)^T with decays, 2 x
@@ -140,6 +144,8 @@ def make_inputs(rng, B, T, H, D, dtype, gate, docs):
                 v=cast(randn(B, T, H, D)),
                 beta=cast(1 / (1 + np.exp(-randn(B, T, H)))))
   static = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
+  if _CHUNK.value is not None:
+    static["chunk_size"] = _CHUNK.value
   x = randn(B, T, H, D)
   if gate == "safe":
     params["g"] = cast(x)
@@ -334,10 +340,11 @@ class Bench:
 
   def render(self, hung=None):
     impl, H, D = self.impl, self.H, self.D
+    C = _CHUNK.value or api.default_chunk_size(impl)
     out = [f"## KDA op benchmark: `{impl}` vs `reference`\n",
            f"{os.cpu_count()} CPUs ({platform.machine()}), jax "
            f"{jax.__version__} ({jax.default_backend()}); H={H}, K=V={D}, "
-           f"chunk {CHUNK}, in-kernel q/k L2 norm; median of {self.repeats} "
+           f"chunk {C}, in-kernel q/k L2 norm; median of {self.repeats} "
            f"runs after a warm-up. This machine's large-matmul rate "
            f"(2048x2048 float32 matmul, same run): **{self.peak:.1f} "
            "GFLOP/s**.\n"]
@@ -353,7 +360,7 @@ class Bench:
       if imp is None or ref is None:
         continue
       flops = B * T * H * flops_per_token_head(
-          D, D, backward=pass_name == "fwd+bwd")
+          D, D, C, backward=pass_name == "fwd+bwd")
       gf = flops / imp.seconds / 1e9 if imp.seconds else None
       rows.append([
           gate, dtype, pass_name, str(B), str(T), _ms(imp), _ms(ref),
@@ -400,10 +407,10 @@ class Bench:
                          f"{self.docs} docs ms", "ratio", "work MiB",
                          "work MiB (segs)"], seg_rows))
       out.append("")
-    f = flops_per_token_head(D, D)
+    f = flops_per_token_head(D, D, C)
     out.append(
         f"FLOPs: chunked KDA, per token and head, F = 6CK + 4CV + 6KV + "
-        f"C^2/3 = {f:.3g} (C={CHUNK}, K=V={D}) for the forward and 3F for "
+        f"C^2/3 = {f:.3g} (C={C}, K=V={D}) for the forward and 3F for "
         "forward+backward (checkpoint recomputation not counted); "
         "GFLOP/s = B*T*H*F / time. work MiB = XLA temp buffers "
         "(`compile().memory_analysis().temp_size_in_bytes`); args+out = "
@@ -437,7 +444,8 @@ class Bench:
             f"{base} ms", f"{base}/{impl}", f"ref/{impl}", f"ref/{base}",
             "work MiB", f"{base} work MiB"]
     return (f"`{impl}` of this tree vs `{impl}` of `{base}` (timed "
-            "alternately with the token-scan reference, same inputs; ref/x "
+            "alternately with the token-scan reference, same inputs, each "
+            "tree with its own default chunk size unless --chunk_size; ref/x "
             "uses the reference's time without segment_ids).\n\n"
             + _table(head, rows))
 

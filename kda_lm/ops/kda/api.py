@@ -35,6 +35,18 @@ def resolve_impl(impl):
   return impl
 
 
+def default_chunk_size(impl):
+  """The chunk size `chunk_size=None` resolves to for a concrete `impl`.
+
+  The Pallas kernels take 64. The XLA path takes 32 on CPU (measured fastest
+  for forward+backward there: fewer FLOPs per token and smaller pairwise
+  tensors outweigh twice the sequential state steps) and 64 elsewhere.
+  """
+  if impl == "xla" and jax.default_backend() == "cpu":
+    return 32
+  return 64
+
+
 def _check_pallas(requested, impl, K, V, chunk_size):
   """Falls back from "pallas" to "xla" (auto) or raises for unsupported shapes.
 
@@ -91,9 +103,10 @@ def _validate(q, k, v, g, beta, *, scale, initial_state, segment_ids,
     raise ValueError(f"Empty dimension in q {q.shape} / v {v.shape}.")
   if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
     raise ValueError(f"scale must be a positive Python float, got {scale!r}.")
-  if not isinstance(chunk_size, int) or chunk_size < 1 or (
-      chunk_size > xla.SUB_BLOCK and chunk_size % xla.SUB_BLOCK):
-    raise ValueError(f"chunk_size must be a positive int that is <= "
+  if chunk_size is not None and (
+      not isinstance(chunk_size, int) or chunk_size < 1 or (
+          chunk_size > xla.SUB_BLOCK and chunk_size % xla.SUB_BLOCK)):
+    raise ValueError(f"chunk_size must be None or a positive int that is <= "
                      f"{xla.SUB_BLOCK} or a multiple of it, got "
                      f"{chunk_size!r}.")
 
@@ -199,7 +212,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
               output_final_state=False, segment_ids=None, cu_seqlens=None,
               A_log=None, dt_bias=None, use_gate_in_kernel=False,
               safe_gate=False, lower_bound=None,
-              use_qk_l2norm_in_kernel=False, chunk_size=64, impl="auto"):
+              use_qk_l2norm_in_kernel=False, chunk_size=None, impl="auto"):
   """Kimi Delta Attention over packed rows, with exact document resets.
 
   Per head, for each token t: `S = S * exp(g_t)[:, None]`;
@@ -230,7 +243,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
       matmuls, no pairwise decay tensor. Same results, faster.
     lower_bound: float in [-5, 0) selecting the bounded gate form.
     use_qk_l2norm_in_kernel: L2-normalise q and k (`x / sqrt(sum x^2 + 1e-6)`).
-    chunk_size: chunk length C of the chunked path.
+    chunk_size: chunk length C of the chunked paths; None picks the fastest
+      for the implementation and backend (`default_chunk_size`).
     impl: "auto", "reference" (token-by-token oracle), "xla" (chunked) or
       "pallas" (fused kernels; K, V <= 256, chunk_size 64; interpret mode
       per `pallas.interpret_mode()`). "auto" is "pallas" on TPU/GPU (falling
@@ -257,7 +271,12 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
       segment_ids=segment_ids, cu_seqlens=cu_seqlens, A_log=A_log,
       dt_bias=dt_bias, use_gate_in_kernel=use_gate_in_kernel,
       lower_bound=lower_bound, chunk_size=chunk_size)
+  chosen = chunk_size is None
+  if chosen:
+    chunk_size = default_chunk_size(impl)
   impl = _check_pallas(requested, impl, K, V, chunk_size)
+  if chosen:  # after a fallback from "pallas" to "xla"
+    chunk_size = default_chunk_size(impl)
   core_kwargs = dict(
       scale=float(K ** -0.5 if scale is None else scale),
       lower_bound=None if lower_bound is None else float(lower_bound),
