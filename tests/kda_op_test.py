@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from kda_lm.ops import chunk_kda
+from kda_lm.ops.kda import api
 
 IMPLS_UNDER_TEST = ["xla"]   # compared against "reference"; add "pallas" here
 ALL_IMPLS = ["reference"] + IMPLS_UNDER_TEST
@@ -589,6 +590,21 @@ def test_segment_ids_none_equals_all_ones(impl):
   assert_same(s1, s, "final_state")
   for n in grads:
     assert_same(grads1[n], grads[n], f"d{n}")
+
+
+def test_default_chunk_size_per_backend():
+  """chunk_size=None runs the implementation's default chunk size."""
+  assert api.default_chunk_size("pallas") == 64
+  want = 32 if jax.default_backend() == "cpu" else 64
+  assert api.default_chunk_size("xla") == want
+  params, do, dht = packed_inputs(0)
+  seg = packed_layout(0)
+  o, s, _ = fwd_and_grads("xla", params, do, dht, segment_ids=seg,
+                          **PACKED_STATIC)
+  o2, s2, _ = fwd_and_grads("xla", params, do, dht, segment_ids=seg,
+                            chunk_size=want, **PACKED_STATIC)
+  assert_same(o2, o, "o")
+  assert_same(s2, s, "final_state")
 
 
 @pytest.mark.parametrize("impl", ALL_IMPLS)
