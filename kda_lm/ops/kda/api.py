@@ -294,7 +294,13 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
 
 def _forward_mode(x):
   """True if `x` is traced by forward-mode autodiff (jvp, also inside
-  another autodiff tracer, as in jax.hessian)."""
+  another autodiff tracer, as in jax.hessian).
+
+  Only with JAX's direct linearization (the default), where reverse mode
+  never makes a `JVPTracer`; otherwise JAX's own error reports forward mode.
+  """
+  if not jax.config.jax_use_direct_linearize:
+    return False
   while isinstance(x, jax.core.Tracer):
     if isinstance(x, ad.JVPTracer):
       return True
