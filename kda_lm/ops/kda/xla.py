@@ -38,7 +38,7 @@ the groups in reverse, recomputes a group's remaining intra-chunk terms
   dv_new = Aqk^T do + (k E) dS',   dS = Dv dS' + (q F)^T do - w^T dv_new
 
 over its chunks, then forms every per-row gradient of the group's chunks at
-once. Training memory is O(T*H*(K+V) + (T/C)*H*K*V), never a state per
+once. Training memory is O(T*H*(K+V+3C) + (T/C)*H*K*V), never a state per
 token. Forward-mode autodiff (`jax.jvp`) is not supported by a custom VJP:
 it raises `TypeError`; use the reference implementation for tangents.
 """
