@@ -18,8 +18,13 @@ prints markdown tables:
 Gate modes (`--gate`): "safe" is the realistic bounded form used in training
 (raw gates, use_gate_in_kernel with lower_bound=-5 and safe_gate=True);
 "exact" passes pre-activated log-sigmoid gates (unbounded, the general path).
-Both use the in-kernel q/k L2 norm. The default is "safe" only, to keep the
-default run near 10 minutes on 2 cores; `--gate=both` doubles it.
+Both use the in-kernel q/k L2 norm. The default runs both.
+
+`--compare=REV` also times the same shapes with the op of git revision REV
+(checked out into a temporary `git worktree`, imported under its own module
+objects), alternating run by run with the current tree and the reference, so
+the speed-up over REV is a ratio measured in the same run (columns
+`REV ms` and `REV/impl`).
 
 A measurement that does not finish within `--hang_s` (e.g. a deadlocked XLA
 CPU thread pool) stops the run: the table so far is printed with a HUNG line
@@ -33,15 +38,21 @@ Usage:
 
   python -m experiments.bench_kda                # the default table
   python -m experiments.bench_kda --quick        # T in {1024, 4096}, B=1
+  python -m experiments.bench_kda --quick --compare=main --dtypes=float32
   python -m experiments.bench_kda --gate=safe --dtypes=float32 \
       --seq_lens=4096,16384 --batches=4
 """
 
 import dataclasses
+import importlib
 import os
 import platform
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -52,6 +63,7 @@ import numpy as np
 
 from kda_lm import testing
 from kda_lm.ops import chunk_kda
+from kda_lm.ops.kda import api
 
 _IMPL = flags.DEFINE_string("impl", "xla", "Implementation to compare with "
                             "the reference (xla; later pallas).")
@@ -62,9 +74,10 @@ _SEQ_LENS = flags.DEFINE_list("seq_lens", ["1024", "4096", "16384"],
 _BATCHES = flags.DEFINE_list("batches", ["1", "4"], "Batch sizes B (1..4).")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"],
                             "Input dtypes of q, k, v, g, beta.")
-_GATE = flags.DEFINE_enum("gate", "safe", ["safe", "exact", "both"],
-                          "Gate mode(s), see the module docstring; both "
-                          "doubles the run time.")
+_GATE = flags.DEFINE_enum("gate", "both", ["safe", "exact", "both"],
+                          "Gate mode(s), see the module docstring.")
+_COMPARE = flags.DEFINE_string("compare", None, "Git revision whose op is "
+                               "timed alternately with the current tree.")
 _HEADS = flags.DEFINE_integer("heads", 4, "Heads H.")
 _HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "K = V.")
 _DOCS = flags.DEFINE_integer("docs", 10, "Documents per row for the "
@@ -77,11 +90,14 @@ _HANG_S = flags.DEFINE_float("hang_s", 900.0, "Give up (print what was "
                              "measured, exit 2) if one measurement takes "
                              "longer than this.")
 
-CHUNK = 64
+_CHUNK = flags.DEFINE_integer("chunk_size", None, "chunk_size passed to "
+                              "chunk_kda (default: the op's choice per "
+                              "backend, `api.default_chunk_size`).")
+
 MIB = 2.0 ** 20
 
 
-def flops_per_token_head(K, V, C=CHUNK, backward=False):
+def flops_per_token_head(K, V, C, backward=False):
   """Matmul FLOPs of chunked KDA per token and head (multiply-add = 2).
 
   Per chunk of C rows: Aqk = (q)(k)^T and Akk = (k)(k)^T with decays, 2 x
@@ -129,6 +145,8 @@ def make_inputs(rng, B, T, H, D, dtype, gate, docs):
       rng, B, T, H, D, D, gate="pre" if gate == "exact" else gate,
       l2norm=True, h0=False)
   static["output_final_state"] = True
+  if _CHUNK.value is not None:
+    static["chunk_size"] = _CHUNK.value
   params = {n: jnp.asarray(x, jnp.float32 if n in ("A_log", "dt_bias")
                            else dtype) for n, x in raw.items()}
   do, dht = testing.kda_cotangents(rng, (B, T, H, D), B, D)
@@ -137,11 +155,13 @@ def make_inputs(rng, B, T, H, D, dtype, gate, docs):
       testing.document_ids(rng, B, T, docs))
 
 
-def build(impl, backward, static):
+
+
+def build(op, impl, backward, static):
   """jit of the forward, or of the gradient of sum(o*do) + sum(S*dht)."""
   def forward(params, fixed):
-    return chunk_kda(**params, segment_ids=fixed["segment_ids"], impl=impl,
-                     **static)
+    return op(**params, segment_ids=fixed["segment_ids"], impl=impl,
+              **static)
 
   if not backward:
     return jax.jit(forward)
@@ -154,25 +174,76 @@ def build(impl, backward, static):
   return jax.jit(jax.grad(loss))
 
 
-def measure(fn, params, fixed, repeats, max_gib):
-  """Compiles, reads the memory, then warm-up + `repeats` timed runs."""
-  compiled = fn.lower(params, fixed).compile()
-  mem = compiled.memory_analysis()
-  res = Result(work_mib=mem.temp_size_in_bytes / MIB,
-               io_mib=(mem.argument_size_in_bytes
-                       + mem.output_size_in_bytes) / MIB)
-  total_gib = (res.work_mib + res.io_mib) / 1024
-  if total_gib > max_gib:
-    res.note = f"ref skipped: needs {total_gib:.1f} GiB > {max_gib:g} GiB"
-    return res
-  jax.block_until_ready(compiled(params, fixed))            # warm-up
-  times = []
+def measure(fns, repeats, max_gib):
+  """Compiles each (fn, params, fixed), reads its memory, warms it up, then
+  times them alternately `repeats` times. Returns a Result per entry."""
+  compiled, results = [], []
+  for fn, params, fixed in fns:
+    c = fn.lower(params, fixed).compile()
+    mem = c.memory_analysis()
+    res = Result(work_mib=mem.temp_size_in_bytes / MIB,
+                 io_mib=(mem.argument_size_in_bytes
+                         + mem.output_size_in_bytes) / MIB)
+    total_gib = (res.work_mib + res.io_mib) / 1024
+    if total_gib > max_gib:
+      res.note = f"skipped: needs {total_gib:.1f} GiB > {max_gib:g} GiB"
+      c = None
+    else:
+      jax.block_until_ready(c(params, fixed))               # warm-up
+    compiled.append(c)
+    results.append(res)
+  times = [[] for _ in fns]
   for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(compiled(params, fixed))
-    times.append(time.perf_counter() - t)
-  res.seconds = statistics.median(times)
-  return res
+    for i, (c, (_, params, fixed)) in enumerate(zip(compiled, fns,
+                                                    strict=True)):
+      if c is None:
+        continue
+      t = time.perf_counter()
+      jax.block_until_ready(c(params, fixed))
+      times[i].append(time.perf_counter() - t)
+  for res, ts in zip(results, times, strict=True):
+    if ts:
+      res.seconds = statistics.median(ts)
+  return results
+
+
+def load_revision(rev):
+  """`chunk_kda` of git revision `rev`, from a temporary worktree.
+
+  The revision's `kda_lm` is imported with `sys.modules` emptied of the
+  current one and then restored, so both versions live side by side (each
+  module keeps references to its own submodules).
+
+  Returns:
+    (chunk_kda, cleanup) where cleanup() removes the worktree.
+  """
+  root = subprocess.run(["git", "rev-parse", "--show-toplevel"],
+                        capture_output=True, text=True, check=True
+                        ).stdout.strip()
+  path = tempfile.mkdtemp(prefix="bench_kda_")
+  subprocess.run(["git", "worktree", "add", "--detach", path, rev],
+                 cwd=root, check=True, capture_output=True)
+
+  def cleanup():
+    subprocess.run(["git", "worktree", "remove", "--force", path],
+                   cwd=root, check=False, capture_output=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+  saved = {n: m for n, m in sys.modules.items()
+           if n == "kda_lm" or n.startswith("kda_lm.")}
+  for n in saved:
+    del sys.modules[n]
+  sys.path.insert(0, path)
+  try:
+    ops = importlib.import_module("kda_lm.ops")
+    op = ops.chunk_kda
+  finally:
+    sys.path.remove(path)
+    for n in [n for n in sys.modules
+              if n == "kda_lm" or n.startswith("kda_lm.")]:
+      del sys.modules[n]
+    sys.modules.update(saved)
+  return op, cleanup
 
 
 def with_watchdog(seconds, fn, *args):
@@ -211,8 +282,11 @@ def _table(head, rows):
 class Bench:
   """Runs the configurations and renders the markdown report."""
 
-  def __init__(self, impl, H, D, repeats, max_gib, docs, hang_s):
+  def __init__(self, impl, H, D, repeats, max_gib, docs, hang_s,
+               base=None, base_name=None, cleanup=lambda: None):
     self.impl, self.H, self.D = impl, H, D
+    self.base, self.base_name = base, base_name   # --compare: REV's op
+    self.cleanup = cleanup
     self.repeats, self.max_gib, self.docs = repeats, max_gib, docs
     self.hang_s = hang_s
     self.results = {}     # (gate, dtype, pass, B, T) -> {name: Result}
@@ -234,29 +308,37 @@ class Bench:
       key = (gate, dtype.name, pass_name, B, T)
       self.results[key] = r = {}
       self.order.append(key)
-      runs = [("impl", self.impl, None), ("ref", "reference", None)]
+      runs = [("impl", chunk_kda, self.impl, None),
+              ("ref", chunk_kda, "reference", None)]
+      if self.base is not None:
+        runs.append(("base", self.base, self.impl, None))
       if with_segments and backward:
-        runs.append(("seg", self.impl, ids))
-      for name, who, seg in runs:
+        runs.append(("seg", chunk_kda, self.impl, ids))
+        if self.base is not None:
+          runs.append(("base_seg", self.base, self.impl, ids))
+      fns = []
+      for _, op, who, seg in runs:
         fx = dict(fixed, segment_ids=seg) if backward else dict(
             segment_ids=seg)                 # the forward takes no cotangents
-        self._log(f"{gate} {dtype.name} {pass_name} B={B} T={T} {name}")
-        res = with_watchdog(self.hang_s, measure,
-                            build(who, backward, static), params, fx,
-                            self.repeats, self.max_gib)
-        if res is None:
-          self.render(hung=f"{who} {gate} {dtype.name} {pass_name} B={B} "
-                      f"T={T}{' segment_ids' if seg is not None else ''}")
-          sys.stdout.flush()
-          os._exit(2)                        # the hung XLA thread stays
-        r[name] = res
+        fns.append((build(op, who, backward, static), params, fx))
+      self._log(f"{gate} {dtype.name} {pass_name} B={B} T={T}: "
+                + ", ".join(n for n, *_ in runs))
+      res = with_watchdog(self.hang_s, measure, fns, self.repeats,
+                          self.max_gib)
+      if res is None:
+        self.render(hung=f"{gate} {dtype.name} {pass_name} B={B} T={T}")
+        sys.stdout.flush()
+        self.cleanup()
+        os._exit(2)                          # the hung XLA thread stays
+      r.update({n: x for (n, *_), x in zip(runs, res, strict=True)})
 
   def render(self, hung=None):
     impl, H, D = self.impl, self.H, self.D
+    C = _CHUNK.value or api.default_chunk_size(impl)
     out = [f"## KDA op benchmark: `{impl}` vs `reference`\n",
            f"{os.cpu_count()} CPUs ({platform.machine()}), jax "
            f"{jax.__version__} ({jax.default_backend()}); H={H}, K=V={D}, "
-           f"chunk {CHUNK}, in-kernel q/k L2 norm; median of {self.repeats} "
+           f"chunk {C}, in-kernel q/k L2 norm; median of {self.repeats} "
            f"runs after a warm-up. This machine's large-matmul rate "
            f"(2048x2048 float32 matmul, same run): **{self.peak:.1f} "
            "GFLOP/s**.\n"]
@@ -272,7 +354,7 @@ class Bench:
       if imp is None or ref is None:
         continue
       flops = B * T * H * flops_per_token_head(
-          D, D, backward=pass_name == "fwd+bwd")
+          D, D, C, backward=pass_name == "fwd+bwd")
       gf = flops / imp.seconds / 1e9 if imp.seconds else None
       rows.append([
           gate, dtype, pass_name, str(B), str(T), _ms(imp), _ms(ref),
@@ -282,7 +364,7 @@ class Bench:
           _ratio(ref.work_mib, imp.work_mib),
           "–" if gf is None else f"{gf:.1f}",
           "–" if gf is None else f"{100 * gf / self.peak:.0f}%",
-          ref.note])
+          "ref " + ref.note if ref.note else ""])
       if "seg" in r:
         seg = r["seg"]
         seg_rows.append([gate, dtype, pass_name, str(B), str(T), _ms(imp),
@@ -309,6 +391,9 @@ class Bench:
       out.append(_table(["gate", "dtype", "pass", "B", impl, "reference"],
                         scale))
       out.append("")
+    if self.base is not None:
+      out.append(self._compare_table())
+      out.append("")
     if seg_rows:
       out.append(f"segment_ids: `{impl}` with {self.docs} documents per row "
                  "(random lengths) vs segment_ids=None.\n")
@@ -316,10 +401,10 @@ class Bench:
                          f"{self.docs} docs ms", "ratio", "work MiB",
                          "work MiB (segs)"], seg_rows))
       out.append("")
-    f = flops_per_token_head(D, D)
+    f = flops_per_token_head(D, D, C)
     out.append(
         f"FLOPs: chunked KDA, per token and head, F = 6CK + 4CV + 6KV + "
-        f"C^2/3 = {f:.3g} (C={CHUNK}, K=V={D}) for the forward and 3F for "
+        f"C^2/3 = {f:.3g} (C={C}, K=V={D}) for the forward and 3F for "
         "forward+backward (checkpoint recomputation not counted); "
         "GFLOP/s = B*T*H*F / time. work MiB = XLA temp buffers "
         "(`compile().memory_analysis().temp_size_in_bytes`); args+out = "
@@ -333,6 +418,32 @@ class Bench:
     print("\n".join(out))
 
 
+  def _compare_table(self):
+    """Current tree vs --compare's revision (and both vs the token scan)."""
+    base, impl = self.base_name, self.impl
+    rows = []
+    for key in self.order:
+      r = self.results[key]
+      for tag, a, b in (("", "impl", "base"), (f"{self.docs} docs", "seg",
+                                               "base_seg")):
+        if a not in r or b not in r:
+          continue
+        new, old, ref = r[a], r[b], r.get("ref")
+        rows.append([*key[:3], str(key[3]), str(key[4]), tag, _ms(new),
+                     _ms(old), _ratio(old.seconds, new.seconds, "{:.2f}x"),
+                     _ratio(ref.seconds, new.seconds) if ref else "–",
+                     _ratio(ref.seconds, old.seconds) if ref else "–",
+                     f"{new.work_mib:.0f}", f"{old.work_mib:.0f}"])
+    head = ["gate", "dtype", "pass", "B", "T", "segment_ids", f"{impl} ms",
+            f"{base} ms", f"{base}/{impl}", f"ref/{impl}", f"ref/{base}",
+            "work MiB", f"{base} work MiB"]
+    return (f"`{impl}` of this tree vs `{impl}` of `{base}` (timed "
+            "alternately with the token-scan reference, same inputs, each "
+            "tree with its own default chunk size unless --chunk_size; ref/x "
+            "uses the reference's time without segment_ids).\n\n"
+            + _table(head, rows))
+
+
 def main(argv):
   del argv
   seq_lens = [int(t) for t in _SEQ_LENS.value]
@@ -344,14 +455,23 @@ def main(argv):
       batches = [1]
   gates = ["safe", "exact"] if _GATE.value == "both" else [_GATE.value]
   dtypes = [jnp.dtype(d) for d in _DTYPES.value]
-  bench = Bench(_IMPL.value, _HEADS.value, _HEAD_DIM.value, _REPEATS.value,
-                _MAX_GIB.value, _DOCS.value, _HANG_S.value)
-  for gate in gates:
-    for i, dtype in enumerate(dtypes):
-      for B in batches:
-        for T in seq_lens:
-          bench.run(gate, dtype, B, T, with_segments=_DOCS.value > 0 and i == 0)
-  bench.render()
+  base, cleanup = None, lambda: None
+  if _COMPARE.value:
+    base, cleanup = load_revision(_COMPARE.value)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run `finally`
+  try:
+    bench = Bench(_IMPL.value, _HEADS.value, _HEAD_DIM.value, _REPEATS.value,
+                  _MAX_GIB.value, _DOCS.value, _HANG_S.value, base=base,
+                  base_name=_COMPARE.value, cleanup=cleanup)
+    for gate in gates:
+      for i, dtype in enumerate(dtypes):
+        for B in batches:
+          for T in seq_lens:
+            bench.run(gate, dtype, B, T,
+                      with_segments=_DOCS.value > 0 and i == 0)
+    bench.render()
+  finally:
+    cleanup()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import functools
 import logging
 
 import jax
+from jax.interpreters import ad
 import jax.numpy as jnp
 import numpy as np
 
@@ -32,6 +33,18 @@ def resolve_impl(impl):
   if impl == "auto":
     return "pallas" if jax.default_backend() in PALLAS_BACKENDS else "xla"
   return impl
+
+
+def default_chunk_size(impl):
+  """The chunk size `chunk_size=None` resolves to for a concrete `impl`.
+
+  The Pallas kernels take 64. The XLA path takes 32 on CPU (measured fastest
+  for forward+backward there: fewer FLOPs per token and smaller pairwise
+  tensors outweigh twice the sequential state steps) and 64 elsewhere.
+  """
+  if impl == "xla" and jax.default_backend() == "cpu":
+    return 32
+  return 64
 
 
 def _check_pallas(requested, impl, K, V, chunk_size):
@@ -90,9 +103,10 @@ def _validate(q, k, v, g, beta, *, scale, initial_state, segment_ids,
     raise ValueError(f"Empty dimension in q {q.shape} / v {v.shape}.")
   if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
     raise ValueError(f"scale must be a positive Python float, got {scale!r}.")
-  if not isinstance(chunk_size, int) or chunk_size < 1 or (
-      chunk_size > common.SUB_BLOCK and chunk_size % common.SUB_BLOCK):
-    raise ValueError(f"chunk_size must be a positive int that is <= "
+  if chunk_size is not None and (
+      not isinstance(chunk_size, int) or chunk_size < 1 or (
+          chunk_size > common.SUB_BLOCK and chunk_size % common.SUB_BLOCK)):
+    raise ValueError(f"chunk_size must be None or a positive int that is <= "
                      f"{common.SUB_BLOCK} or a multiple of it, got "
                      f"{chunk_size!r}.")
 
@@ -217,7 +231,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
               output_final_state=False, segment_ids=None, cu_seqlens=None,
               A_log=None, dt_bias=None, use_gate_in_kernel=False,
               safe_gate=False, lower_bound=None,
-              use_qk_l2norm_in_kernel=False, chunk_size=64, impl="auto"):
+              use_qk_l2norm_in_kernel=False, chunk_size=None, impl="auto"):
   """Kimi Delta Attention over packed rows, with exact document resets.
 
   Per head, for each token t: `S = S * exp(g_t)[:, None]`;
@@ -248,7 +262,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
       matmuls, no pairwise decay tensor. Same results, faster.
     lower_bound: float in [-5, 0) selecting the bounded gate form.
     use_qk_l2norm_in_kernel: L2-normalise q and k (`x / sqrt(sum x^2 + 1e-6)`).
-    chunk_size: chunk length C of the chunked path.
+    chunk_size: chunk length C of the chunked paths; None picks the fastest
+      for the implementation and backend (`default_chunk_size`).
     impl: "auto", "reference" (token-by-token oracle), "xla" (chunked) or
       "pallas" (fused kernels; K, V <= 256, chunk_size 64; interpret mode
       per `pallas.interpret_mode()`). "auto" is "pallas" on TPU/GPU (falling
@@ -262,6 +277,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
   Raises:
     ValueError: on any malformed argument, before tracing.
     NotImplementedError: impl="pallas" with shapes it does not support.
+    TypeError: forward-mode autodiff (jax.jvp) of impl="xla" or "pallas",
+      whose backward passes are custom VJPs; use impl="reference".
   """
   requested = impl
   impl = resolve_impl(impl)
@@ -273,7 +290,12 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
       segment_ids=segment_ids, cu_seqlens=cu_seqlens, A_log=A_log,
       dt_bias=dt_bias, use_gate_in_kernel=use_gate_in_kernel,
       lower_bound=lower_bound, chunk_size=chunk_size)
+  chosen = chunk_size is None
+  if chosen:
+    chunk_size = default_chunk_size(impl)
   impl = _check_pallas(requested, impl, K, V, chunk_size)
+  if chosen:  # after a fallback from "pallas" to "xla"
+    chunk_size = default_chunk_size(impl)
   core_kwargs = dict(
       scale=float(K ** -0.5 if scale is None else scale),
       lower_bound=None if lower_bound is None else float(lower_bound),
@@ -281,12 +303,52 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
       use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
       safe_gate=bool(safe_gate), impl=impl, chunk_size=chunk_size,
       pallas_options=pallas.read_options() if impl == "pallas" else None)
-  if cu_seqlens is None:
-    o, state = _kda_core(q, k, v, g, beta, segment_ids, initial_state, A_log,
-                         dt_bias, **core_kwargs)
-  else:
-    o, state = _kda_varlen(
-        q, k, v, g, beta, initial_state, A_log, dt_bias,
-        *_varlen_indices(cu_seqlens, N, T),
-        core_kwargs=tuple(sorted(core_kwargs.items())))
+  if impl != "reference":
+    _check_reverse_mode(impl, (q, k, v, g, beta, initial_state, A_log,
+                               dt_bias))
+  o, state = _run(q, k, v, g, beta, initial_state, segment_ids, cu_seqlens,
+                  A_log, dt_bias, core_kwargs)
   return o.astype(q.dtype), (state if output_final_state else None)
+
+
+def _forward_mode(x):
+  """True if `x` is traced by forward-mode autodiff (jvp, also inside
+  another autodiff tracer, as in jax.hessian).
+
+  Only with JAX's direct linearization (the default), where reverse mode
+  never makes a `JVPTracer`; otherwise JAX's own error reports forward mode.
+  """
+  if not jax.config.jax_use_direct_linearize:
+    return False
+  while isinstance(x, jax.core.Tracer):
+    if isinstance(x, ad.JVPTracer):
+      return True
+    x = getattr(x, "primal", None)
+  return False
+
+
+def _check_reverse_mode(impl, args):
+  """The chunked paths have hand-derived custom VJPs: reverse mode only.
+
+  Raises:
+    TypeError: an argument is traced by forward-mode autodiff.
+  """
+  if any(_forward_mode(x) for x in args):
+    raise TypeError(
+        f"chunk_kda(impl={impl!r}) supports reverse-mode autodiff only "
+        "(jax.grad, jax.vjp): its backward is a hand-derived custom VJP. "
+        "Forward mode (jax.jvp, jax.jacfwd, jax.hessian) needs "
+        "impl='reference'.")
+
+
+def _run(q, k, v, g, beta, initial_state, segment_ids, cu_seqlens, A_log,
+         dt_bias, core_kwargs):
+  """Runs `_kda_core` on rows, or on documents gathered from cu_seqlens."""
+  if cu_seqlens is None:
+    return _kda_core(q, k, v, g, beta, segment_ids, initial_state, A_log,
+                     dt_bias, **core_kwargs)
+  return _kda_varlen(
+      q, k, v, g, beta, initial_state, A_log, dt_bias,
+      *_varlen_indices(cu_seqlens, np.asarray(cu_seqlens).size - 1,
+                       q.shape[1]),
+      core_kwargs=tuple(sorted(core_kwargs.items())))
