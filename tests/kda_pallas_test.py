@@ -19,6 +19,7 @@ with `jax_disable_most_optimizations` (restored afterwards) and reuses one
 jitted forward+gradient function per static configuration.
 """
 
+import dataclasses
 import functools
 import logging
 import re
@@ -30,11 +31,13 @@ import pytest
 
 from kda_lm.ops import chunk_kda
 from kda_lm.ops.kda import api, pallas
+from kda_lm.ops.kda.pallas import options
 
 H, K, V = 2, 32, 16
 FIELDS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 TOKEN_FIELDS = ("q", "k", "v", "g", "beta")
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
+CPU = pallas.for_platform("cpu")   # interpret mode, IEEE float32 dots
 
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
@@ -170,28 +173,29 @@ def test_head_dim_64_matches_reference(gate):
 
 
 def test_v_blocks_match_reference(monkeypatch):
-  """KDA_LM_PALLAS_V_BLOCK splits the state's V columns over the recurrence
+  """KernelOptions.v_block splits the state's V columns over the recurrence
   kernels' programs (grid axis j on GPU, and in interpret mode). V=48 pads to
   64: 4 blocks of 16. The columns of S are independent, so every output and
   gradient is bit-identical to one block."""
   params, static, do, dht = make_inputs(3, 2, PACKED_T, v=48)
   seg = PACKED_IDS
   whole = fwd_and_grads("pallas", params, seg, do, dht, **static)
-  monkeypatch.setenv(pallas.V_BLOCK_ENV, "16")
-  split = fwd_and_grads("pallas", params, seg, do, dht, fresh=True,
-                        **static)
+  split = fwd_and_grads("pallas", params, seg, do, dht, **static,
+                        pallas_options=dataclasses.replace(CPU, v_block=16))
   _compare(params, split, fwd_and_grads("reference", params, seg, do, dht,
                                         **static))
   for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(whole),
                   strict=True):
     np.testing.assert_array_equal(a, b)
-  monkeypatch.setenv(pallas.V_BLOCK_ENV, "48")
   with pytest.raises(ValueError, match="power of two"):
-    pallas.read_options()
+    dataclasses.replace(CPU, v_block=48)
+  monkeypatch.setenv(options.V_BLOCK_ENV, "48")
+  with pytest.raises(ValueError, match="KDA_LM_PALLAS_.*power of two"):
+    pallas.default_options()
 
 
 def test_tpu_style_recurrence_matches_reference(monkeypatch):
-  """KDA_LM_PALLAS_RECURRENCE=grid runs the recurrences as on TPU in
+  """recurrence="grid" runs the recurrences as on TPU in
   interpret mode: one chunk per step of an "arbitrary" grid axis, the state
   in a scratch buffer (written at the first step, read back at the last).
   Packed segments; padding gradients exactly 0 and finite with the NaN fill
@@ -199,17 +203,18 @@ def test_tpu_style_recurrence_matches_reference(monkeypatch):
   rest of this file check)."""
   params, seg, loop, want = packed_results()
   _, static, do, dht = make_inputs(0, 2, PACKED_T)
-  monkeypatch.setenv(pallas.RECURRENCE_ENV, "grid")
+  monkeypatch.setenv(options.RECURRENCE_ENV, "grid")  # the env override
   grid = fwd_and_grads("pallas", params, seg, do, dht, fresh=True,
                        **static)
+  assert pallas.default_options() == dataclasses.replace(CPU, recurrence="grid")
   _compare(params, grid, want)
   _compare(params, grid, loop, fwd_tol=1e-6, grad_tol=1e-6)
   pad = seg == 0
   for n in TOKEN_FIELDS:
     assert np.isfinite(grid[2][n]).all() and np.all(grid[2][n][pad] == 0), n
-  monkeypatch.setenv(pallas.RECURRENCE_ENV, "scan")
-  with pytest.raises(ValueError, match="KDA_LM_PALLAS_RECURRENCE"):
-    pallas.read_options()
+  monkeypatch.setenv(options.RECURRENCE_ENV, "scan")
+  with pytest.raises(ValueError, match="recurrence"):
+    pallas.default_options()
 
 
 def test_vmap_over_rows_equals_batch():
@@ -280,18 +285,40 @@ def test_auto_picks_pallas_on_accelerators_and_falls_back(monkeypatch,
     api._check_pallas("pallas", "pallas", 512, 16, 64)
 
 
-def test_interpret_switch(monkeypatch):
-  monkeypatch.delenv(pallas.INTERPRET_ENV, raising=False)
-  assert pallas.interpret_mode() == (jax.default_backend() == "cpu")
+def test_options_per_platform_and_env_overrides(monkeypatch):
+  """Defaults follow JAX's default backend; KDA_LM_PALLAS_* override one
+  field each, read only by `default_options`; bad values raise."""
+  for name in (options.INTERPRET_ENV, options.NUM_WARPS_ENV,
+               options.V_BLOCK_ENV, options.RECURRENCE_ENV,
+               options.PRECISION_ENV):
+    monkeypatch.delenv(name, raising=False)
+  assert pallas.default_options() == pallas.for_platform(
+      options.backend_platform())
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-  assert not pallas.interpret_mode()
-  monkeypatch.setenv(pallas.INTERPRET_ENV, "0")
-  assert not pallas.interpret_mode()
-  monkeypatch.setenv(pallas.INTERPRET_ENV, "1")
-  assert pallas.interpret_mode()
-  monkeypatch.setenv(pallas.INTERPRET_ENV, "yes")
-  with pytest.raises(ValueError):
-    pallas.interpret_mode()
+  assert pallas.default_options() == pallas.for_platform("tpu")
+  assert not pallas.default_options().interpret
+  monkeypatch.setattr(jax, "default_backend", lambda: "cuda")
+  gpu = pallas.default_options()
+  assert gpu == pallas.for_platform("gpu") and not gpu.interpret
+  assert hash(gpu) == hash(pallas.for_platform("gpu"))
+  monkeypatch.setenv(options.INTERPRET_ENV, "1")
+  monkeypatch.setenv(options.NUM_WARPS_ENV, "2")
+  monkeypatch.setenv(options.PRECISION_ENV, "bf16")
+  assert pallas.default_options() == dataclasses.replace(
+      gpu, interpret=True, num_warps=2, precision="bf16")
+  monkeypatch.setenv(options.INTERPRET_ENV, "yes")
+  with pytest.raises(ValueError, match="KDA_LM_PALLAS_INTERPRET"):
+    pallas.default_options()
+  monkeypatch.delenv(options.INTERPRET_ENV)
+  monkeypatch.setenv(options.PRECISION_ENV, "fp8")
+  with pytest.raises(ValueError, match="precision"):
+    pallas.default_options()
+  with pytest.raises(ValueError, match="num_warps"):
+    pallas.KernelOptions(num_warps=3)
+  with pytest.raises(ValueError, match="platform"):
+    pallas.for_platform("cuda")
+  with pytest.raises(ValueError, match="KernelOptions"):
+    chunk_kda(**_small(32, 16), impl="pallas", pallas_options={"x": 1})
 
 
 def test_interpret_mode_fills_unwritten_outputs_with_nan():
@@ -327,22 +354,22 @@ def _abstract_args():
   return params, S((b, t), jnp.int32)
 
 
-def _model_call(params, seg):
+def _model_call(params, seg, opts):
   return chunk_kda(**params, segment_ids=seg, output_final_state=True,
                    use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-                   impl="pallas")
+                   impl="pallas", pallas_options=opts)
 
 
 @pytest.mark.parametrize("platform", sorted(TARGETS))
 @pytest.mark.parametrize("mode", ["forward", "backward"])
-def test_cross_lowering(platform, mode, monkeypatch):
-  monkeypatch.setenv(pallas.INTERPRET_ENV, "0")
+def test_cross_lowering(platform, mode):
   params, seg = _abstract_args()
+  opts = pallas.for_platform("tpu" if platform == "tpu" else "gpu")
   if mode == "forward":
-    fn = _model_call
+    fn = functools.partial(_model_call, opts=opts)
   else:
     def fn(p, s):
-      o, state = _model_call(p, s)
+      o, state = _model_call(p, s, opts)
       return jnp.sum(o.astype(jnp.float32)) + jnp.sum(state)
     fn = jax.grad(fn)
   text = jax.jit(fn).trace(params, seg).lower(
@@ -364,21 +391,16 @@ def test_cross_lowering(platform, mode, monkeypatch):
                                    + [("1", "16", "2")] * recur), grids
 
 
-def test_precision_switch_reaches_the_kernels(monkeypatch):
-  """KDA_LM_PALLAS_PRECISION=default changes the compiled Triton kernels
-  (TF32 dots on GPU); HIGHEST (IEEE float32) is the default."""
-  monkeypatch.setenv(pallas.INTERPRET_ENV, "0")
+def test_precision_reaches_the_kernels():
+  """KernelOptions.precision changes the lowered Triton kernels: IEEE
+  float32, TF32 and bfloat16-operand dots differ."""
   params, seg = _abstract_args()
-  texts = {}
-  for precision in ("highest", "default"):
-    monkeypatch.setenv(pallas.PRECISION_ENV, precision)
-    fn = lambda p, s: _model_call(p, s)  # a fresh trace: env read there
-    texts[precision] = jax.jit(fn).trace(params, seg).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert texts[precision].count(TARGETS["cuda"]) == 3
-  assert texts["highest"] != texts["default"]
-  monkeypatch.delenv(pallas.PRECISION_ENV)
-  assert pallas.read_options().precision == "highest"
-  monkeypatch.setenv(pallas.PRECISION_ENV, "tf32")
-  with pytest.raises(ValueError, match="KDA_LM_PALLAS_PRECISION"):
-    pallas.read_options()
+  texts = set()
+  for precision in options.PRECISIONS:
+    opts = dataclasses.replace(pallas.for_platform("gpu"),
+                               precision=precision)
+    text = jax.jit(functools.partial(_model_call, opts=opts)).trace(
+        params, seg).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(TARGETS["cuda"]) == 3
+    texts.add(text)
+  assert len(texts) == len(options.PRECISIONS)
