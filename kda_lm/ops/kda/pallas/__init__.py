@@ -37,15 +37,21 @@ cumsum(reset)`, exact below 2^24) and the reset flags, and build every
 same-segment, first-segment and last-segment mask in-kernel. Padding tokens
 arrive with q, k, v, g, beta = 0 and are transparent.
 
-Backward: `backward.out_bwd_kernel` (per chunk: Aqk^T do and (q exp(G))^T
-do, the parts that do not depend on dS), `backward.recur_bwd_step` (chunks in reverse:
-dv_new = Aqk^T do + (k E) dS', dS = Dv dS' + (q F)^T do - w^T dv_new;
-saves each chunk's dS'), and `backward.chunk_bwd_kernel` (per chunk,
-given its S and dS': dq, dk, dv, dg, dbeta, derived by hand in
-`backward._bwd_chunk`). `jax.custom_vjp` joins them; everything around the
-kernels (gates, l2norm, layout) is differentiated by JAX. The V blocks of the
-recurrences are independent columns of S, so results do not depend on
-`v_block` or the recurrence form (bit for bit).
+Backward, five kernels (FLA splits its backward likewise, so that no kernel
+holds the state and the intra-chunk work at once):
+`backward.out_bwd_kernel` (per chunk: Aqk^T do and (q exp(G))^T do, the
+parts that do not depend on dS), `backward.recur_bwd_step` (chunks in
+reverse: dv_new = Aqk^T do + (k E) dS', dS = Dv dS' + (q F)^T do - w^T
+dv_new; saves each chunk's dS' and dv_new), `backward.state_bwd_kernel`
+(per chunk, the products with S and dS'), `backward.wy_bwd_kernel` (per
+chunk, through the WY representation from the forward's saved Akk and P as
+[C,C] matrices: dv, dbeta, dX, dAkk) and `backward.chunk_bwd_kernel` (per
+chunk and block of K columns: dq, dk, dg through the decays, derived in
+`backward._decay_bwd`). `jax.custom_vjp` joins them; everything around the
+kernels (gates, l2norm, layout) is differentiated by JAX. The V blocks of
+the recurrences are independent columns of S and the K blocks of the last
+kernel independent columns of q, k, g, so results do not depend on
+`v_block`, `k_block` or the recurrence form (bit for bit).
 
 Lowering constraints honoured by the kernel source (checked by cross-lowering
 in tests/kda_pallas_test.py): no `cumsum`, no value slicing (Triton has no

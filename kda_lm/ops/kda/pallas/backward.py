@@ -1,5 +1,9 @@
-"""The backward kernels: state-free output gradients, the reverse state
-recurrence step, and every per-token gradient of a chunk."""
+"""The backward kernels, in the order they run: state-free output gradients
+(`out_bwd_kernel`), the reverse state recurrence step (`recur_bwd_step`),
+the state's contractions (`state_bwd_kernel`), and every per-token gradient
+of a chunk (`chunk_bwd_kernel`). The state's two [K,V] matrices and the
+chunk's intra-chunk work live in different kernels, so neither runs out of
+registers or shared memory on a GPU."""
 
 import jax.numpy as jnp
 
@@ -8,10 +12,12 @@ from kda_lm.ops.kda.pallas import helpers as hp
 
 
 def recur_bwd_step(x, dS):
-  """Backward: dS leaving chunk c -> dS entering it; writes dS leaving.
-  dv_new = Aqk^T do + (k E) dS', dS = Dv dS' + (q F)^T do - w^T dv_new."""
+  """Backward: dS leaving chunk c -> dS entering it; writes dS leaving and
+  dv_new. dv_new = Aqk^T do + (k E) dS', dS = Dv dS' + (q F)^T do - w^T
+  dv_new."""
   x.set("dsa", dS)
   dvn = x.get("ado") + hp.mm(x.get("ke"), dS)
+  x.set("dvn", dvn)
   return (hp.row_to_col(x.get("dv")) * dS + x.get("qdo")
           - hp.mm_tn(x.get("w"), dvn))
 
@@ -33,26 +39,74 @@ def out_bwd_kernel(qf_ref, aqk_ref, do_ref, ado_ref, qdo_ref):
   qdo_ref[...] = qdo
 
 
+def state_bwd_kernel(do_ref, vn_ref, dvn_ref, sin_ref, dsa_ref, dqf_ref,
+                     dke_ref, dw_ref, ddv_ref):
+  """Backward, chunk n: the products with the state S entering the chunk
+  and the cotangent dS' of the state leaving it: d(q F) = do S^T,
+  d(k E) = v_new dS'^T, dw = -dv_new S^T, dDv = colsum(S * dS')."""
+  S = sin_ref[...]
+  dS = dsa_ref[...]
+  dqf_ref[...] = hp.mm_nt(do_ref[...], S)
+  dke_ref[...] = hp.mm_nt(vn_ref[...], dS)
+  dw_ref[...] = -hp.mm_nt(dvn_ref[...], S)
+  ddv_ref[...] = hp.col_to_row(jnp.sum(S * dS, axis=1, keepdims=True))
+
+
+def wy_bwd_kernel(kf_ref, v_ref, beta_ref, run_ref, p_ref, akk_ref, dvn_ref,
+                  dw_ref, dv_ref, dx_ref, dakk_ref, dbeta_ref):
+  """Backward, chunk n: through w = P X, u = P (beta v), P = (I + M)^-1,
+  M = diag(beta) Akk, X = beta k F, from the forward's saved k F, Akk and
+  P as whole [C,C] matrices (see `_decay_bwd` for the derivation):
+
+    dX = P^T dw,  d(beta v) = P^T du (du = dv_new),  dP = du (beta v)^T +
+    dw X^T,  dM = -P^T dP P^T (masked to M's support),  dAkk = beta dM,
+    dbeta = rowsum(dM Akk) + rowsum(dX k F) + rowsum(d(beta v) v).
+
+  P is lower block-triangular, so the entries of dP above its blocks never
+  reach the masked dM.
+  """
+  kf, v, beta, run = kf_ref[...], v_ref[...], beta_ref[...], run_ref[...]
+  P, dvn, dw = p_ref[...], dvn_ref[...], dw_ref[...]
+  dbv = hp.mm_tn(P, dvn)
+  dX = hp.mm_tn(P, dw)
+  dP = hp.mm_nt(dvn, beta * v) + hp.mm_nt(dw, beta * kf)
+  dM = hp.mm_tn(P, hp.mm_nt(dP, P))
+  support = ((run == hp.col_to_row(run))
+             & (hp.rows(hp.CHUNK) > hp.cols(hp.CHUNK)))
+  dM = jnp.where(support, -dM, 0.0)
+  dv_ref[...] = beta * dbv
+  dx_ref[...] = dX
+  dakk_ref[...] = beta * dM
+  dbeta_ref[...] = (jnp.sum(dX * kf, axis=1, keepdims=True)
+                    + jnp.sum(dbv * v, axis=1, keepdims=True)
+                    + jnp.sum(dM * akk_ref[...], axis=1, keepdims=True))
+
+
 def chunk_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref,
-                      sin_ref, dsa_ref, do_ref, dq_ref, dk_ref, dv_ref,
-                      dg_ref, dbeta_ref, *, scale):
-  """Backward, chunk n: every per-token gradient, given the chunk's S and
-  the dS after it (`_bwd_chunk`)."""
+                     do_ref, vn_ref, dqf_ref, dke_ref, dx_ref, dakk_ref,
+                     ddv_ref, dq_ref, dk_ref, dg_ref, *, scale):
+  """Backward, chunk n, one block of K columns: dq, dk and dg through the
+  decays, given the state products of `state_bwd_kernel` and dX, dAkk of
+  `wy_bwd_kernel` (`_decay_bwd`; every result is column-wise in K)."""
   ch = chunk.chunk_from_refs(
-      (q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref), scale)
-  dq, dk, dv, dg, dbeta = _bwd_chunk(ch, sin_ref[...], dsa_ref[...],
-                                     hp.ref_blocks(do_ref))
+      (q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref), scale,
+      products=False)
+  blocks = [hp.ref_blocks(r) for r in (do_ref, vn_ref, dqf_ref, dke_ref,
+                                       dx_ref)]
+  dakk = {(i, j): hp.pair_block(dakk_ref, i, j) for i in range(hp.NB)
+          for j in range(i + 1)}
+  dq, dk, dg = _decay_bwd(ch, *blocks, dakk, ddv_ref[...])
   hp.store_blocks(dq_ref, [x * scale for x in dq])
   hp.store_blocks(dk_ref, dk)
-  hp.store_blocks(dv_ref, dv)
   hp.store_blocks(dg_ref, dg)
-  hp.store_blocks(dbeta_ref, dbeta)
 
 
-def _bwd_chunk(ch, S, dS, do):
-  """Per-row gradients of one chunk, given the state S entering it and the
-  cotangent dS of the state leaving it (dS before the chunk is
-  `recur_bwd_step`'s job). Returns (dq, dk, dv, dg, dbeta) sub-blocks.
+def _decay_bwd(ch, do, vn, dqF, dkE, dX, dakk, dDv):
+  """dq, dk, dg of one chunk through its decays, given do, v_new, the
+  products with the state S entering the chunk and the cotangent dS of the
+  state leaving it (dS before the chunk is `recur_bwd_step`'s job): dqF =
+  do S^T, dkE = v_new dS^T, dDv, and dX, dAkk from `wy_bwd_kernel`. Returns (dq,
+  dk, dg) sub-blocks.
 
   Notation: Gs = gate cumulated from max(chunk start, segment start), so
   every decay is exp of a difference of Gs (same segment), F = exp(Gs) on the
@@ -74,58 +128,12 @@ def _bwd_chunk(ch, S, dS, do):
   s < t <= r only, so row and column contributions never cancel (5-50x more
   accurate gate gradients than the plain cumsum in float32).
   """
-  vn = chunk.v_new(ch, S)
-  # dv_new, dq (F part), dk (E part).
-  dvn = []
-  for i in range(hp.NB):
-    x = hp.mm(ch.k[i] * ch.E[i], dS)
-    for a in range(i, hp.NB):
-      x = x + hp.mm_tn(ch.aqk[a, i], do[a])
-    dvn.append(x)
-  dqF = [hp.mm_nt(do[i], S) for i in range(hp.NB)]
-  dkE = [hp.mm_nt(vn[i], dS) for i in range(hp.NB)]
-  dDv = hp.col_to_row(jnp.sum(S * dS, axis=1, keepdims=True))
   tri = hp.rows(hp.SUB) >= hp.cols(hp.SUB)
   daqk = {}
   for i in range(hp.NB):
     for j in range(i + 1):
       m = ch.same[i, j] & tri if i == j else ch.same[i, j]
       daqk[i, j] = jnp.where(m, hp.mm_nt(do[i], vn[j]), 0.0)
-  # Through the WY representation.
-  dw = [-hp.mm_nt(dvn[i], S) for i in range(hp.NB)]
-  dbv, dX = [], []
-  for j in range(hp.NB):
-    a_bv = hp.mm_tn(ch.P[j, j], dvn[j])
-    a_x = hp.mm_tn(ch.P[j, j], dw[j])
-    for a in range(j + 1, hp.NB):
-      a_bv = a_bv + hp.mm_tn(ch.P[a, j], dvn[a])
-      a_x = a_x + hp.mm_tn(ch.P[a, j], dw[a])
-    dbv.append(a_bv)
-    dX.append(a_x)
-  dP = {(a, b): hp.mm_nt(dvn[a], ch.bv[b]) + hp.mm_nt(dw[a], ch.X[b])
-        for a in range(hp.NB) for b in range(a + 1)}
-  # Y = dP P^T (blocks a >= j), dM = -P^T Y (blocks i >= j).
-  Y = {}
-  for a in range(hp.NB):
-    for j in range(a + 1):
-      y = hp.mm_nt(dP[a, 0], ch.P[j, 0])
-      for b in range(1, j + 1):
-        y = y + hp.mm_nt(dP[a, b], ch.P[j, b])
-      Y[a, j] = y
-  strict = hp.rows(hp.SUB) > hp.cols(hp.SUB)
-  dakk = {}
-  dbeta = [jnp.sum(dX[i] * ch.k[i] * ch.F[i], axis=1, keepdims=True)
-           + jnp.sum(dbv[i] * ch.v[i], axis=1, keepdims=True)
-           for i in range(hp.NB)]
-  for i in range(hp.NB):
-    for j in range(i + 1):
-      dm = hp.mm_tn(ch.P[i, i], Y[i, j])
-      for a in range(i + 1, hp.NB):
-        dm = dm + hp.mm_tn(ch.P[a, i], Y[a, j])
-      m = ch.same[i, j] & strict if i == j else ch.same[i, j]
-      dm = jnp.where(m, -dm, 0.0)
-      dbeta[i] = dbeta[i] + jnp.sum(dm * ch.akk[i, j], axis=1, keepdims=True)
-      dakk[i, j] = ch.beta[i] * dm
 
   # Decayed-product gradients: R (row side) and Q (column side) for Aqk
   # (x = q) and Akk (x = k). A pair (r, s), s < r, whose decay
@@ -179,14 +187,13 @@ def _bwd_chunk(ch, S, dS, do):
     return out
 
   diag = chunk.diag_columns(ch, diag_body, [(zk,) * 5] * hp.NB)
-  dq, dk, dv = [], [], []
+  dq, dk = [], []
   for i in range(hp.NB):
     rq, qq, rk, qk, _ = diag[i]
     qf_part = ch.F[i] * dqF[i]
     dq.append(qf_part + rq + r_q[i])
     dk.append(ch.E[i] * dkE[i] + ch.beta[i] * ch.F[i] * dX[i] + qq + rk + qk
               + q_q[i] + r_k[i] + q_k[i])
-    dv.append(ch.beta[i] * dbv[i])
     # F = exp(G) reaches back to the chunk start (t <= r); E =
     # exp(G_last - G) reaches forward to the chunk end (t > r).
     y = ch.q[i] * qf_part + ch.X[i] * dX[i]
@@ -206,5 +213,5 @@ def _bwd_chunk(ch, S, dS, do):
     w_ex = jnp.where(ch.same[i, i] & strict, 1.0, 0.0).astype(hp.F32)
     dg.append(hp.mm_tn(ch.wf[i], row_side[i]) + hp.mm(w_ex, col_side[i])
               + diag[i][4] + bcast[i])
-  return dq, dk, dv, dg, dbeta
+  return dq, dk, dg
 

@@ -46,6 +46,11 @@ def _aqk_spec():
   return _per_chunk(*_AQK)
 
 
+def _square():
+  """Chunk n's [C, C] matrix (Akk, P and dAkk) of a [B, H, N, C, C] array."""
+  return _per_chunk(hp.CHUNK, hp.CHUNK)
+
+
 def _seg_tok():
   """Chunk n's rows of a [B, Tp, 1] array (shared by the heads)."""
   return pl.BlockSpec((None, hp.CHUNK, 1), lambda b, h, n: (b, n, 0))
@@ -194,14 +199,16 @@ def _forward(cfg, q, k, v, g, beta, h0, run, rst):
   opts = cfg.options
   tok_in = [_tok(K), _tok(K), _tok(V), _tok(K), _tok(1), _seg_tok(),
             _seg_tok()]
-  w, u, qf, ke, dv, aqk = _call(
+  tk, tv, pair = _shape(B, H, Tp, K), _shape(B, H, Tp, V), _shape(
+      B, H, N, *_AQK)
+  square = _shape(B, H, N, hp.CHUNK, hp.CHUNK)
+  w, u, qf, ke, kf, dv, aqk, akk, P = _call(
       functools.partial(forward.intra_kernel, scale=cfg.scale),
       (q, k, v, g, beta, run, rst), tok_in,
-      [_tok(K), _tok(V), _tok(K), _tok(K), _per_chunk(1, K),
-       _per_chunk(*_AQK)],
-      [_shape(B, H, Tp, K), _shape(B, H, Tp, V), _shape(B, H, Tp, K),
-       _shape(B, H, Tp, K), _shape(B, H, N, 1, K),
-       _shape(B, H, N, *_AQK)], (B, H, N), opts)
+      [_tok(K), _tok(V), _tok(K), _tok(K), _tok(K), _per_chunk(1, K),
+       _aqk_spec(), _square(), _square()],
+      [tk, tv, tk, tk, tk, _shape(B, H, N, 1, K), pair, square, square],
+      (B, H, N), opts)
   vn, s_in, final = _recurrence(
       forward.recur_step, (w, u, ke, dv, h0), ("w", "u", "ke", "dv", "h0"),
       {"w": "tok_k", "u": "tok_v", "ke": "tok_k", "dv": "chunk_k",
@@ -210,37 +217,77 @@ def _forward(cfg, q, k, v, g, beta, h0, run, rst):
   o, = _call(forward.out_kernel, (qf, s_in, aqk, vn),
              [_tok(K), _per_chunk(K, V), _aqk_spec(), _tok(V)], [_tok(V)],
              [_shape(B, H, Tp, V)], (B, H, N), opts)
-  return o, final, (w, ke, qf, dv, aqk, s_in)
+  return o, final, (w, ke, qf, kf, dv, aqk, akk, P, s_in, vn)
 
 
 def _backward(cfg, q, k, v, g, beta, run, rst, saved, do, dfin):
-  """The three backward kernels: dq, dk, dv, dg, dbeta, dh0."""
+  """The five backward kernels: dq, dk, dv, dg, dbeta, dh0."""
   B, H, Tp, K = q.shape
   V = v.shape[-1]
   N = Tp // hp.CHUNK
   opts = cfg.options
-  w, ke, qf, dv, aqk, s_in = saved
+  w, ke, qf, kf, dv, aqk, akk, P, s_in, vn = saved
+  tk, tv = _shape(B, H, Tp, K), _shape(B, H, Tp, V)
+  square = _shape(B, H, N, hp.CHUNK, hp.CHUNK)
   ado, qdo = _call(
       backward.out_bwd_kernel, (qf, aqk, do),
-      [_tok(K), _per_chunk(*_AQK), _tok(V)],
-      [_tok(V), _per_chunk(K, V)],
-      [_shape(B, H, Tp, V), _shape(B, H, N, K, V)], (B, H, N), opts)
-  dsa, dh0 = _recurrence(
+      [_tok(K), _aqk_spec(), _tok(V)], [_tok(V), _per_chunk(K, V)],
+      [tv, _shape(B, H, N, K, V)], (B, H, N), opts)
+  dsa, dvn, dh0 = _recurrence(
       backward.recur_bwd_step, (ado, qdo, w, ke, dv, dfin),
       ("ado", "qdo", "w", "ke", "dv", "dfin"),
       {"ado": "tok_v", "qdo": "chunk_kv", "w": "tok_k", "ke": "tok_k",
        "dv": "chunk_k", "dfin": "head_kv", "dsa": "chunk_kv",
-       "dh0": "head_kv"}, "dfin", "dh0", opts, reverse=True)
-  tok_in = [_tok(K), _tok(K), _tok(V), _tok(K), _tok(1), _seg_tok(),
-            _seg_tok()]
-  dq, dk, dvv, dg, dbeta = _call(
-      functools.partial(backward.chunk_bwd_kernel, scale=cfg.scale),
-      (q, k, v, g, beta, run, rst, s_in, dsa, do),
-      tok_in + [_per_chunk(K, V), _per_chunk(K, V), _tok(V)],
-      [_tok(K), _tok(K), _tok(V), _tok(K), _tok(1)],
-      [_shape(B, H, Tp, K), _shape(B, H, Tp, K), _shape(B, H, Tp, V),
-       _shape(B, H, Tp, K), _shape(B, H, Tp, 1)], (B, H, N), opts)
+       "dvn": "tok_v", "dh0": "head_kv"}, "dfin", "dh0", opts, reverse=True)
+  dqf, dke, dw, ddv = _call(
+      backward.state_bwd_kernel, (do, vn, dvn, s_in, dsa),
+      [_tok(V), _tok(V), _tok(V), _per_chunk(K, V), _per_chunk(K, V)],
+      [_tok(K), _tok(K), _tok(K), _per_chunk(1, K)],
+      [tk, tk, tk, _shape(B, H, N, 1, K)], (B, H, N), opts)
+  dvv, dx, dakk, dbeta = _call(
+      backward.wy_bwd_kernel, (kf, v, beta, run, P, akk, dvn, dw),
+      [_tok(K), _tok(V), _tok(1), _seg_tok(), _square(), _square(),
+       _tok(V), _tok(K)],
+      [_tok(V), _tok(K), _square(), _tok(1)],
+      [tv, tk, square, _shape(B, H, Tp, 1)], (B, H, N), opts)
+  dq, dk, dg = _chunk_bwd_call(
+      cfg, (q, k, v, g, beta, run, rst, do, vn, dqf, dke, dx, dakk, ddv))
   return dq, dk, dvv, dg, dbeta, dh0
+
+
+def _chunk_bwd_call(cfg, args):
+  """`backward.chunk_bwd_kernel` on grid (b, h, n, K block): its results
+  are column-wise in K, so each program takes `options.k_block` columns of
+  q, k, g and their gradients (TPU: all of K)."""
+  q, v = args[0], args[2]
+  B, H, Tp, K = q.shape
+  V = v.shape[-1]
+  N = Tp // hp.CHUNK
+  C = hp.CHUNK
+  opts = cfg.options
+
+  def run(platform):
+    bk = K if platform == "tpu" else min(opts.k_block, K)
+    tok = lambda x: pl.BlockSpec((None, None, C, x),
+                                 lambda b, h, n, j: (b, h, n, 0))
+    tok_k = pl.BlockSpec((None, None, C, bk), lambda b, h, n, j: (b, h, n, j))
+    seg = pl.BlockSpec((None, C, 1), lambda b, h, n, j: (b, n, 0))
+    square = pl.BlockSpec((None, None, None, C, C),
+                          lambda b, h, n, j: (b, h, n, 0, 0))
+    ddv = pl.BlockSpec((None, None, None, 1, bk),
+                       lambda b, h, n, j: (b, h, n, 0, j))
+    in_specs = [tok_k, tok_k, tok(V), tok_k, tok(1), seg, seg, tok(V),
+                tok(V), tok_k, tok_k, tok_k, square, ddv]
+    out_specs = [tok_k] * 3
+    return pl.pallas_call(
+        functools.partial(backward.chunk_bwd_kernel, scale=cfg.scale),
+        grid=(B, H, N, K // bk), in_specs=in_specs, out_specs=out_specs,
+        out_shape=[_shape(B, H, Tp, K)] * 3,
+        interpret=platform == "interpret", name="chunk_bwd_kernel",
+        compiler_params=_params(platform, opts, in_specs + out_specs,
+                                ("parallel",) * 4))(*args)
+
+  return _per_platform(run, opts)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))

@@ -56,16 +56,16 @@ def diag_columns(ch, body, init):
   return lax.fori_loop(0, hp.SUB, step, init)
 
 
-def chunk_setup(q, k, v, g, beta, run, rst):
-  """Everything in a chunk that does not depend on the carried state."""
+def chunk_gates(q, k, v, g, beta, run, rst):
+  """The chunk's masks and decays, X = beta k F and beta v: everything but
+  the decayed products (`chunk_decays`) and the solve (`solve`). Every
+  [SUB,K] result depends on its own columns of q, k and g only."""
   tri = hp.rows(hp.SUB) >= hp.cols(hp.SUB)
-  strict = hp.rows(hp.SUB) > hp.cols(hp.SUB)
-  run_row = [hp.col_to_row(r) for r in run]
-  same = {(i, j): run[i] == run_row[j] for i in range(hp.NB)
-          for j in range(i + 1)}
+  same = same_blocks(run)
   wf = [jnp.where(same[i, i] & tri, 1.0, 0.0).astype(hp.F32)
         for i in range(hp.NB)]
-  L = [hp.mm(wf[i], g[i]) for i in range(hp.NB)]
+  # The cumulated gates feed every exponent: always IEEE float32.
+  L = [hp.mm_exact(wf[i], g[i]) for i in range(hp.NB)]
   tot = [hp.row(x, hp.SUB - 1) for x in L]
   reach = [r == hp.row(r, hp.SUB - 1) for r in run]
   e_row = [jnp.exp(x) for x in L]
@@ -95,7 +95,19 @@ def chunk_setup(q, k, v, g, beta, run, rst):
     F.append(hp.masked_exp(run[i] == run_prev, L[i] + before))
     E.append(hp.masked_exp(run[i] == run_last, tot[i] - L[i] + after))
   Dv = hp.masked_exp(run_last == run_prev, total)
+  return Chunk(q=q, k=k, v=v, beta=beta, same=same, wf=wf, L=L,
+               e_row=e_row, e_col=e_col, e_between=e_between, run=run,
+               reach=reach, F=F, E=E, Dv=Dv, aqk=None, akk=None, P=None,
+               X=[beta[i] * k[i] * F[i] for i in range(hp.NB)],
+               bv=[beta[i] * v[i] for i in range(hp.NB)], w=None, u=None)
 
+
+def chunk_decays(q, k, v, g, beta, run, rst):
+  """`chunk_gates` and the decayed products Aqk and Akk."""
+  ch = chunk_gates(q, k, v, g, beta, run, rst)
+  q, k, same, e_row, e_col, e_between = (
+      ch.q, ch.k, ch.same, ch.e_row, ch.e_col, ch.e_between)
+  strict = hp.rows(hp.SUB) > hp.cols(hp.SUB)
   # Decayed products: off-diagonal blocks factorised, diagonal ones exact.
   aqk, akk = {}, {}
   for i in range(hp.NB):
@@ -120,16 +132,18 @@ def chunk_setup(q, k, v, g, beta, run, rst):
     return out
 
   zero = jnp.zeros((hp.SUB, hp.SUB), hp.F32)
-  ch_partial = Chunk(q=q, k=k, v=v, beta=beta, same=same, wf=wf, L=L,
-                      e_row=e_row, e_col=e_col, e_between=e_between, run=run,
-                      reach=reach, F=F, E=E, Dv=Dv, aqk=None, akk=None,
-                      P=None, X=None, bv=None, w=None, u=None)
-  diag = diag_columns(ch_partial, diag_body, [(zero, zero)] * hp.NB)
+  diag = diag_columns(ch, diag_body, [(zero, zero)] * hp.NB)
   for i in range(hp.NB):
     aqk[i, i] = diag[i][0]
     akk[i, i] = jnp.where(strict, diag[i][1], 0.0)
 
-  # P = (I + M)^-1, M = diag(beta) Akk, by blocked forward substitution.
+  return ch._replace(aqk=aqk, akk=akk)
+
+
+def solve(ch):
+  """`ch` with P = (I + M)^-1, M = diag(beta) Akk (blocked forward
+  substitution), and the WY factors w = P X, u = P (beta v)."""
+  beta, akk, X, bv = ch.beta, ch.akk, ch.X, ch.bv
   M = {ij: beta[ij[0]] * a for ij, a in akk.items()}
   eye = jnp.where(hp.rows(hp.SUB) == hp.cols(hp.SUB), 1.0, 0.0).astype(hp.F32)
 
@@ -146,8 +160,6 @@ def chunk_setup(q, k, v, g, beta, run, rst):
         acc = acc + hp.mm(M[i, m], P[m, j])
       P[i, j] = -hp.mm(P[i, i], acc)
 
-  X = [beta[i] * k[i] * F[i] for i in range(hp.NB)]
-  bv = [beta[i] * v[i] for i in range(hp.NB)]
   w, u = [], []
   for i in range(hp.NB):
     w_i = hp.mm(P[i, 0], X[0])
@@ -157,17 +169,22 @@ def chunk_setup(q, k, v, g, beta, run, rst):
       u_i = u_i + hp.mm(P[i, j], bv[j])
     w.append(w_i)
     u.append(u_i)
-  return ch_partial._replace(aqk=aqk, akk=akk, P=P, X=X, bv=bv, w=w, u=u)
+  return ch._replace(P=P, w=w, u=u)
 
 
-def chunk_from_refs(refs, scale):
-  """`chunk_setup` of the one chunk that the (chunk-sized) refs hold."""
+def chunk_from_refs(refs, scale, products=True):
+  """`chunk_decays` (or `chunk_gates` without `products`) of the one chunk
+  that the (chunk-sized) refs hold."""
   q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref = refs
-  return chunk_setup(
+  return (chunk_decays if products else chunk_gates)(
       hp.ref_blocks(q_ref, scale), hp.ref_blocks(k_ref),
       hp.ref_blocks(v_ref), hp.ref_blocks(g_ref), hp.ref_blocks(beta_ref),
       hp.ref_blocks(run_ref), hp.ref_blocks(rst_ref))
 
 
-def v_new(ch, S):
-  return [ch.u[i] - hp.mm(ch.w[i], S) for i in range(hp.NB)]
+def same_blocks(run):
+  """(i, j), j <= i: [SUB,SUB] bool, rows of block i and columns of block j
+  in the same segment, from the run-index blocks."""
+  run_row = [hp.col_to_row(r) for r in run]
+  return {(i, j): run[i] == run_row[j] for i in range(hp.NB)
+          for j in range(i + 1)}

@@ -1,25 +1,26 @@
 """The forward kernels: per-chunk setup, the state recurrence step, output."""
 
-import jax.numpy as jnp
 
 from kda_lm.ops.kda.pallas import chunk
 from kda_lm.ops.kda.pallas import helpers as hp
 
 
 def intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref,
-                  w_ref, u_ref, qf_ref, ke_ref, dv_ref, aqk_ref, *, scale):
-  """Forward, chunk n: everything that does not depend on the state."""
-  ch = chunk.chunk_from_refs(
-      (q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref), scale)
+                 w_ref, u_ref, qf_ref, ke_ref, kf_ref, dv_ref, aqk_ref,
+                 akk_ref, p_ref, *, scale):
+  """Forward, chunk n: everything that does not depend on the state (and,
+  for the backward, k F, Akk and P)."""
+  ch = chunk.solve(chunk.chunk_from_refs(
+      (q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref), scale))
   hp.store_blocks(w_ref, ch.w)
   hp.store_blocks(u_ref, ch.u)
   hp.store_blocks(qf_ref, [ch.q[i] * ch.F[i] for i in range(hp.NB)])
   hp.store_blocks(ke_ref, [ch.k[i] * ch.E[i] for i in range(hp.NB)])
+  hp.store_blocks(kf_ref, [ch.k[i] * ch.F[i] for i in range(hp.NB)])
   dv_ref[...] = ch.Dv
-  zero = jnp.zeros((hp.SUB, hp.SUB), hp.F32)
-  for i in range(hp.NB):
-    for j in range(hp.NB):
-      aqk_ref[i * hp.NB + j] = ch.aqk[i, j] if j <= i else zero
+  hp.store_pairs(aqk_ref, ch.aqk)
+  hp.store_square(akk_ref, ch.akk)
+  hp.store_square(p_ref, ch.P)
 
 
 

@@ -51,6 +51,13 @@ def mm(a, b):
   return _dot(a, b, ((1,), (0,)))
 
 
+def mm_exact(a, b):
+  """a @ b in IEEE float32, whatever the kernels' dot precision."""
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())),
+                         precision=(lax.Precision.HIGHEST,) * 2,
+                         preferred_element_type=F32)
+
+
 def mm_nt(a, b):
   """a @ b.T in float32."""
   return _dot(a, b, ((1,), (1,)))
@@ -107,6 +114,30 @@ def ref_blocks(ref, scale=None):
     x = ref[pl.ds(i * SUB, SUB), :]
     out.append(x if scale is None else x * scale)
   return out
+
+
+def pair_block(ref, i, j):
+  """Sub-block (i, j) [SUB,SUB] of a [CHUNK, CHUNK] ref."""
+  return ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)]
+
+
+def store_square(ref, blocks):
+  """Writes {(i, j), j <= i} [SUB,SUB] blocks into a [CHUNK, CHUNK] ref
+  (zeros above the diagonal blocks)."""
+  zero = jnp.zeros((SUB, SUB), F32)
+  for i in range(NB):
+    for j in range(NB):
+      ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = (
+          blocks[i, j] if j <= i else zero)
+
+
+def store_pairs(ref, blocks):
+  """Writes {(i, j), j <= i} blocks into a [NB*NB, SUB, SUB] ref (zeros
+  above the diagonal)."""
+  zero = jnp.zeros((SUB, SUB), F32)
+  for i in range(NB):
+    for j in range(NB):
+      ref[i * NB + j] = blocks[i, j] if j <= i else zero
 
 
 def store_blocks(ref, blocks):

@@ -40,6 +40,9 @@ class KernelOptions:
     num_stages: Triton software-pipelining stages (GPU), >= 1.
     v_block: state columns (of V) per recurrence program, a power of two
       >= 16 (GPU and interpret mode; TPU always takes the whole V).
+    k_block: K columns per program of the backward's per-chunk gradient
+      kernel, a power of two >= 16 (GPU and interpret mode; TPU takes the
+      whole K).
     precision: in-kernel dots. "highest": IEEE float32 (slow on GPU: no
       tensor cores, many registers). "tf32": float32 operands at the
       backend's fast float32 (TF32 tensor cores on GPU, one bfloat16 pass
@@ -55,6 +58,7 @@ class KernelOptions:
   num_warps: int = 4
   num_stages: int = 1
   v_block: int = 64
+  k_block: int = 32
   precision: str = "highest"
   recurrence: str = "loop"
   interpret: bool = False
@@ -70,6 +74,9 @@ class KernelOptions:
     if (not _is_int(self.v_block) or self.v_block < 16
         or self.v_block & (self.v_block - 1)):
       bad("v_block", "a power of two >= 16")
+    if (not _is_int(self.k_block) or self.k_block < 16
+        or self.k_block & (self.k_block - 1)):
+      bad("k_block", "a power of two >= 16")
     if self.precision not in PRECISIONS:
       bad("precision", f"one of {PRECISIONS}")
     if self.recurrence not in RECURRENCES:
@@ -100,7 +107,7 @@ def for_platform(platform):
   if platform == "tpu":
     return KernelOptions(precision="highest", recurrence="grid")
   if platform == "cpu":
-    return KernelOptions(precision="highest", interpret=True)
+    return KernelOptions(precision="highest", k_block=16, interpret=True)
   raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}.")
 
 
