@@ -62,6 +62,7 @@ import jax.extend  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments import compile_report  # noqa: E402
 import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
 from kda_lm.ops import chunk_kda  # noqa: E402
 from kda_lm.ops.kda import pallas  # noqa: E402
@@ -102,54 +103,6 @@ class Row:
   @property
   def ok(self):
     return not self.problems
-
-
-# ----------------------------------------------------------------------------
-# Parsing what XLA and ptxas report (pure functions, unit-tested in
-# tests/compile_check_test.py).
-
-
-def parse_ptxas(log):
-  """{entry function: (registers, spill stores, spill loads)} from ptxas -v."""
-  out = {}
-  current = None
-  for line in log.splitlines():
-    m = re.search(r"Compiling entry function '([^']+)'", line)
-    if m:
-      current = m.group(1)
-      out[current] = [0, 0, 0]
-      continue
-    if current is None:
-      continue
-    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
-    if m:
-      out[current][1:] = [int(m.group(1)), int(m.group(2))]
-    m = re.search(r"Used (\d+) registers", line)
-    if m:
-      out[current][0] = int(m.group(1))
-  return {k: tuple(v) for k, v in out.items()}
-
-
-def parse_thunks(text):
-  """[(kernel, grid, threads, shared bytes)] from XLA's thunk sequence."""
-  out = []
-  for m in re.finditer(r"(\S+) grid: \[(\d+), (\d+), (\d+)\] threads: "
-                       r"\[(\d+), \d+, \d+\]\s+shared_memory: (\d+) bytes",
-                       text):
-    out.append((m.group(1), (int(m.group(2)), int(m.group(3)),
-                             int(m.group(4))), int(m.group(5)),
-                int(m.group(6))))
-  return out
-
-
-def gpu_problems(shared, shared_limit, spills, max_spill):
-  """What a compiled GPU kernel exceeds (empty: nothing)."""
-  problems = []
-  if shared > shared_limit:
-    problems.append(f"shared memory {shared} > {shared_limit}")
-  if max(spills) > max_spill:
-    problems.append(f"spills {spills[0]}/{spills[1]} B > {max_spill}")
-  return problems
 
 
 # ----------------------------------------------------------------------------
@@ -294,17 +247,18 @@ def _gpu_row(target, name, eqn, opts, seconds, log, thunks, error,
                    f"{opts.precision}", seconds=seconds)
   if error:
     row.problems.append(error)
-  ptx = parse_ptxas(log)
+  ptx = compile_report.parse_ptxas(log)
   regs = [v for k, v in ptx.items() if k.startswith(name)]
-  shared = [t[3] for t in parse_thunks(thunks) if t[0].startswith(name)]
+  shared = [t[3] for t in compile_report.parse_thunks(thunks)
+            if t[0].startswith(name)]
   if regs:
     r, stores, loads = regs[0]
     row.registers = str(r)
     row.spill = f"{stores}/{loads}"
     shared_used = shared[0] if shared else 0
     row.memory = f"{shared_used:,}" if shared else "?"
-    row.problems += gpu_problems(shared_used, shared_limit, (stores, loads),
-                                 _MAX_SPILL.value)
+    row.problems += compile_report.gpu_problems(
+        shared_used, shared_limit, (stores, loads), _MAX_SPILL.value)
   else:
     m = re.search(r"Shared memory size limit exceeded: requested (\d+)",
                   log + (error or ""))
@@ -407,7 +361,7 @@ def check_train_step(target):
     seconds, log, _, error = compile_once(update, (abstract, batch), "gpu")
   finally:
     jax.default_backend = real_backend
-  kernels = len(parse_ptxas(log))
+  kernels = len(compile_report.parse_ptxas(log))
   row = Row(target, f"ling3_tiny train step ({kernels} Triton kernels)",
             seconds=seconds, problems=[error] if error else [])
   if not error and not kernels:

@@ -239,11 +239,12 @@ def _backward(cfg, q, k, v, g, beta, run, rst, saved, do, dfin):
       {"ado": "tok_v", "qdo": "chunk_kv", "w": "tok_k", "ke": "tok_k",
        "dv": "chunk_k", "dfin": "head_kv", "dsa": "chunk_kv",
        "dvn": "tok_v", "dh0": "head_kv"}, "dfin", "dh0", opts, reverse=True)
-  dqf, dke, dw, ddv = _call(
-      backward.state_bwd_kernel, (do, vn, dvn, s_in, dsa),
-      [_tok(V), _tok(V), _tok(V), _per_chunk(K, V), _per_chunk(K, V)],
-      [_tok(K), _tok(K), _tok(K), _per_chunk(1, K)],
-      [tk, tk, tk, _shape(B, H, N, 1, K)], (B, H, N), opts)
+  dqf, dke, dw, ddv, daqk = _call(
+      backward.state_bwd_kernel, (do, vn, dvn, s_in, dsa, run),
+      [_tok(V), _tok(V), _tok(V), _per_chunk(K, V), _per_chunk(K, V),
+       _seg_tok()],
+      [_tok(K), _tok(K), _tok(K), _per_chunk(1, K), _square()],
+      [tk, tk, tk, _shape(B, H, N, 1, K), square], (B, H, N), opts)
   dvv, dx, dakk, dbeta = _call(
       backward.wy_bwd_kernel, (kf, v, beta, run, P, akk, dvn, dw),
       [_tok(K), _tok(V), _tok(1), _seg_tok(), _square(), _square(),
@@ -251,7 +252,7 @@ def _backward(cfg, q, k, v, g, beta, run, rst, saved, do, dfin):
       [_tok(V), _tok(K), _square(), _tok(1)],
       [tv, tk, square, _shape(B, H, Tp, 1)], (B, H, N), opts)
   dq, dk, dg = _chunk_bwd_call(
-      cfg, (q, k, v, g, beta, run, rst, do, vn, dqf, dke, dx, dakk, ddv))
+      cfg, (q, k, v, g, beta, run, rst, daqk, dqf, dke, dx, dakk, ddv))
   return dq, dk, dvv, dg, dbeta, dh0
 
 
@@ -276,8 +277,8 @@ def _chunk_bwd_call(cfg, args):
                           lambda b, h, n, j: (b, h, n, 0, 0))
     ddv = pl.BlockSpec((None, None, None, 1, bk),
                        lambda b, h, n, j: (b, h, n, 0, j))
-    in_specs = [tok_k, tok_k, tok(V), tok_k, tok(1), seg, seg, tok(V),
-                tok(V), tok_k, tok_k, tok_k, square, ddv]
+    in_specs = [tok_k, tok_k, tok(V), tok_k, tok(1), seg, seg, square,
+                tok_k, tok_k, tok_k, square, ddv]
     out_specs = [tok_k] * 3
     return pl.pallas_call(
         functools.partial(backward.chunk_bwd_kernel, scale=cfg.scale),

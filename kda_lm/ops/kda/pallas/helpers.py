@@ -51,11 +51,25 @@ def mm(a, b):
   return _dot(a, b, ((1,), (0,)))
 
 
-def mm_exact(a, b):
-  """a @ b in IEEE float32, whatever the kernels' dot precision."""
-  return lax.dot_general(a, b, (((1,), (0,)), ((), ())),
-                         precision=(lax.Precision.HIGHEST,) * 2,
-                         preferred_element_type=F32)
+def mm_exact(mask, b):
+  """mask @ b to float32 accuracy for a 0/1 `mask`, whatever the kernels'
+  dot precision: b is split into three bfloat16-exact parts (8 mantissa
+  bits each), each multiplied exactly by the 0/1 mask and accumulated in
+  float32 (the split float32 tensor-core products use; an IEEE float32 dot
+  costs Triton far more registers)."""
+  if _precision[0] == "highest":
+    return mm(mask, b)
+  parts = []
+  rest = b
+  for _ in range(2):
+    part = rest.astype(jnp.bfloat16).astype(F32)
+    parts.append(part)
+    rest = rest - part
+  parts.append(rest)
+  out = mm(mask, parts[0])
+  for part in parts[1:]:
+    out = out + mm(mask, part)
+  return out
 
 
 def mm_nt(a, b):
