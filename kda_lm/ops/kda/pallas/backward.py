@@ -5,6 +5,9 @@ of a chunk (`chunk_bwd_kernel`). The state's two [K,V] matrices and the
 chunk's intra-chunk work live in different kernels, so neither runs out of
 registers or shared memory on a GPU."""
 
+import functools
+
+from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
 from kda_lm.ops.kda.pallas import chunk
@@ -99,18 +102,27 @@ def chunk_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref,
   blocks = [hp.ref_blocks(r) for r in (dqf_ref, dke_ref, dx_ref)]
   daqk, dakk = ({(i, j): hp.pair_block(ref, i, j) for i in range(hp.NB)
                  for j in range(i + 1)} for ref in (daqk_ref, dakk_ref))
-  dq, dk, dg = _decay_bwd(ch, daqk, *blocks, dakk, ddv_ref[...])
-  hp.store_blocks(dq_ref, [x * scale for x in dq])
-  hp.store_blocks(dk_ref, dk)
-  hp.store_blocks(dg_ref, dg)
+  _decay_bwd(ch, daqk, *blocks, dakk, ddv_ref[...],
+             _BlockStore({"dq": dq_ref, "dk": dk_ref, "dg": dg_ref}, scale))
 
 
-def _decay_bwd(ch, daqk, dqF, dkE, dX, dakk, dDv):
+class _BlockStore:
+  """Writes sub-block i of a named [CHUNK, X] output ref."""
+
+  def __init__(self, refs, scale):
+    self.refs, self.scale = refs, scale
+
+  def store(self, name, i, value):
+    self.refs[name][pl.ds(i * hp.SUB, hp.SUB), :] = value
+
+
+def _decay_bwd(ch, daqk, dqF, dkE, dX, dakk, dDv, out):
   """dq, dk, dg of one chunk through its decays, given dAqk, the
   products with the state S entering the chunk and the cotangent dS of the
   state leaving it (dS before the chunk is `recur_bwd_step`'s job): dqF =
   do S^T, dkE = v_new dS^T, dDv, and dX, dAkk from `wy_bwd_kernel`. Returns (dq,
-  dk, dg) sub-blocks.
+  dk, dg) sub-blocks through `out.store(name, block, value)` (dq times
+  `out.scale`).
 
   Notation: Gs = gate cumulated from max(chunk start, segment start), so
   every decay is exp of a difference of Gs (same segment), F = exp(Gs) on the
@@ -164,33 +176,33 @@ def _decay_bwd(ch, daqk, dqF, dkE, dX, dakk, dDv):
         for m in range(j + 1, i):
           bcast[m] = bcast[m] + pair_sum
 
-  def diag_body(c, decs, acc):
+  def diag_body(i, c, decs, acc):
+    (rq, qq, rk, qk, st), = acc
     sel = hp.rows(hp.SUB) == c
-    out = []
-    for i in range(hp.NB):
-      rq, qq, rk, qk, st = acc[i]
-      a1 = hp.col(daqk[i, i], c) * decs[i]
-      a2 = hp.col(dakk[i, i], c) * decs[i]
-      k_c = hp.row(ch.k[i], c)
-      rq = rq + a1 * k_c
-      rk = rk + a2 * k_c
-      qq = qq + jnp.where(sel, jnp.sum(a1 * ch.q[i], axis=0, keepdims=True),
-                          0.0)
-      qk = qk + jnp.where(sel, jnp.sum(a2 * ch.k[i], axis=0, keepdims=True),
-                          0.0)
-      x = (a1 * ch.q[i] + a2 * ch.k[i]) * k_c       # pairs (r, c), r >= c
-      st = st + jnp.where(hp.rows(hp.SUB) > c, hp.mm_tn(ch.wf[i], x), 0.0)
-      out.append((rq, qq, rk, qk, st))
-    return out
+    a1 = hp.col(daqk[i, i], c) * decs[0]
+    a2 = hp.col(dakk[i, i], c) * decs[0]
+    k_c = hp.row(ch.k[i], c)
+    rq = rq + a1 * k_c
+    rk = rk + a2 * k_c
+    qq = qq + jnp.where(sel, jnp.sum(a1 * ch.q[i], axis=0, keepdims=True),
+                        0.0)
+    qk = qk + jnp.where(sel, jnp.sum(a2 * ch.k[i], axis=0, keepdims=True),
+                        0.0)
+    x = (a1 * ch.q[i] + a2 * ch.k[i]) * k_c       # pairs (r, c), r >= c
+    st = st + jnp.where(hp.rows(hp.SUB) > c, hp.mm_tn(ch.wf[i], x), 0.0)
+    return [(rq, qq, rk, qk, st)]
 
-  diag = chunk.diag_columns(ch, diag_body, [(zk,) * 5] * hp.NB)
-  dq, dk = [], []
+  # One diagonal block at a time (a fifth of the loop-carried registers),
+  # each block's dq and dk stored as soon as they are complete.
+  st = []
   for i in range(hp.NB):
-    rq, qq, rk, qk, _ = diag[i]
+    rq, qq, rk, qk, st_i = chunk.diag_columns(
+        ch, functools.partial(diag_body, i), [(zk,) * 5], blocks=(i,))[0]
+    st.append(st_i)
     qf_part = ch.F[i] * dqF[i]
-    dq.append(qf_part + rq + r_q[i])
-    dk.append(ch.E[i] * dkE[i] + ch.beta[i] * ch.F[i] * dX[i] + qq + rk + qk
-              + q_q[i] + r_k[i] + q_k[i])
+    out.store("dq", i, (qf_part + rq + r_q[i]) * out.scale)
+    out.store("dk", i, ch.E[i] * dkE[i] + ch.beta[i] * ch.F[i] * dX[i] + qq
+              + rk + qk + q_q[i] + r_k[i] + q_k[i])
     # F = exp(G) reaches back to the chunk start (t <= r); E =
     # exp(G_last - G) reaches forward to the chunk end (t > r).
     y = ch.q[i] * qf_part + ch.X[i] * dX[i]
@@ -205,10 +217,8 @@ def _decay_bwd(ch, daqk, dqF, dkE, dX, dakk, dDv):
       elif m > i:
         bcast[m] = bcast[m] + z_sum
   strict = hp.rows(hp.SUB) > hp.cols(hp.SUB)
-  dg = []
   for i in range(hp.NB):
     w_ex = jnp.where(ch.same[i, i] & strict, 1.0, 0.0).astype(hp.F32)
-    dg.append(hp.mm_tn(ch.wf[i], row_side[i]) + hp.mm(w_ex, col_side[i])
-              + diag[i][4] + bcast[i])
-  return dq, dk, dg
+    out.store("dg", i, hp.mm_tn(ch.wf[i], row_side[i])
+              + hp.mm(w_ex, col_side[i]) + st[i] + bcast[i])
 

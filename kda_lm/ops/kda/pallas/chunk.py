@@ -39,15 +39,16 @@ class Chunk(NamedTuple):
   u: list        # [SUB,V]
 
 
-def diag_columns(ch, body, init):
+def diag_columns(ch, body, init, blocks=tuple(range(hp.NB))):
   """Runs body(c, dec, acc) for each column c of the diagonal sub-blocks.
 
-  `dec[i]` is the exact pairwise decay exp(L_r - L_c) [SUB,K] of block i for
-  rows r >= c in c's segment (0 elsewhere), built from a masked exponent.
+  `dec[n]` is the exact pairwise decay exp(L_r - L_c) [SUB,K] of block
+  `blocks[n]` for rows r >= c in c's segment (0 elsewhere), built from a
+  masked exponent.
   """
   def step(c, acc):
     decs = []
-    for i in range(hp.NB):
+    for i in blocks:
       l_c = hp.row(ch.L[i], c)
       r_c = hp.row(ch.run[i], c)
       mask = (hp.rows(hp.SUB) >= c) & (ch.run[i] == r_c)
@@ -99,7 +100,9 @@ def chunk_gates(q, k, v, g, beta, run, rst):
                e_row=e_row, e_col=e_col, e_between=e_between, run=run,
                reach=reach, F=F, E=E, Dv=Dv, aqk=None, akk=None, P=None,
                X=[beta[i] * k[i] * F[i] for i in range(hp.NB)],
-               bv=[beta[i] * v[i] for i in range(hp.NB)], w=None, u=None)
+               bv=None if v is None else [beta[i] * v[i]
+                                          for i in range(hp.NB)],
+               w=None, u=None)
 
 
 def chunk_decays(q, k, v, g, beta, run, rst):
@@ -178,7 +181,8 @@ def chunk_from_refs(refs, scale, products=True):
   q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref = refs
   return (chunk_decays if products else chunk_gates)(
       hp.ref_blocks(q_ref, scale), hp.ref_blocks(k_ref),
-      hp.ref_blocks(v_ref), hp.ref_blocks(g_ref), hp.ref_blocks(beta_ref),
+      hp.ref_blocks(v_ref) if products else None, hp.ref_blocks(g_ref),
+      hp.ref_blocks(beta_ref),
       hp.ref_blocks(run_ref), hp.ref_blocks(rst_ref))
 
 

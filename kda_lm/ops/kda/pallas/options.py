@@ -6,8 +6,8 @@ retrace). `for_platform` gives the settings a GPU, TPU or CPU run uses:
 
   >>> from kda_lm.ops.kda import pallas
   >>> pallas.for_platform("gpu")
-  KernelOptions(num_warps=8, num_stages=1, v_block=64, precision='tf32',
-                recurrence='loop', interpret=False)
+  KernelOptions(num_warps=8, num_stages=1, v_block=64, k_block=32,
+                precision='bf16', recurrence='loop', interpret=False)
 
 `chunk_kda(..., pallas_options=...)` takes one explicitly. Without it the op
 uses `default_options()`: `for_platform` of JAX's default backend, with the
@@ -92,9 +92,10 @@ def _is_int(x):
 def for_platform(platform):
   """The default settings for "gpu", "tpu" or "cpu" (interpret mode).
 
-  GPU: TF32 tensor-core dots with float32 accumulation and 8 warps, the
-  settings at which every kernel compiles for sm_90a within shared memory
-  and without register spills (experiments/compile_check.py). TPU: float32
+  GPU: bfloat16 tensor-core dots with float32 accumulation (FLA's form;
+  the gate cumsum stays float32-exact) and 8 warps, the settings at which
+  every kernel compiles for sm_90a within shared memory and spills at most
+  1 KB per thread (experiments/compile_check.py). TPU: float32
   dots at HIGHEST (the kernels fit VMEM on v5e and v6e). CPU: interpret
   mode with IEEE float32 dots, the form the tests check against the
   reference.
@@ -103,7 +104,7 @@ def for_platform(platform):
     ValueError: an unknown platform.
   """
   if platform == "gpu":
-    return KernelOptions(num_warps=8, num_stages=1, precision="tf32")
+    return KernelOptions(num_warps=8, num_stages=1, precision="bf16")
   if platform == "tpu":
     return KernelOptions(precision="highest", recurrence="grid")
   if platform == "cpu":
