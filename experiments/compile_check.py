@@ -76,6 +76,10 @@ _OVERRIDE = flags.DEFINE_list(
     "e.g. num_warps=4,precision=highest.")
 _FULL = flags.DEFINE_bool("full", True, "Also compile the whole forward and "
                           "gradient and the ling3_tiny training step.")
+_PROGRAMS = flags.DEFINE_list(
+    "programs", ["forward:segments", "gradient:segments", "forward:none",
+                 "gradient:none"],
+    "Whole programs compiled with --full (what:segments|none).")
 _MAX_SPILL = flags.DEFINE_integer("max_spill_bytes", 1024,
                                   "Spill stores or loads allowed per thread.")
 _SHAPE = flags.DEFINE_list("shape", ["1", "8192", "16", "128"], "B,T,H,D.")
@@ -315,15 +319,17 @@ def check_programs(target):
   mesh = _mesh(target)
   opts = _options(platform)
   rows = []
-  for segments in (True, False):
+  fns = {"forward": _kda, "gradient": jax.grad(_loss)}
+  for program in _PROGRAMS.value:
+    what, segs = program.split(":")
+    segments = segs == "segments"
     params, seg = _abstract(mesh, segments)
-    for what, fn in (("forward", _kda), ("gradient", jax.grad(_loss))):
-      seconds, _, _, error = compile_once(
-          functools.partial(fn, opts=opts), (params, seg), platform)
-      row = Row(target, f"{what} ({'segments' if segments else 'no segs'})",
-                seconds=seconds, problems=[error] if error else [])
-      print(_format(row), flush=True)
-      rows.append(row)
+    seconds, _, _, error = compile_once(
+        functools.partial(fns[what], opts=opts), (params, seg), platform)
+    row = Row(target, f"{what} ({'segments' if segments else 'no segs'})",
+              seconds=seconds, problems=[error] if error else [])
+    print(_format(row), flush=True)
+    rows.append(row)
   return rows
 
 
