@@ -31,7 +31,8 @@ Usage:
 Pallas runs once per (num_warps, v_block, precision): `--v_blocks` sets
 KDA_LM_PALLAS_V_BLOCK, the state columns each recurrence program owns
 (128 = one program per (b, h)); `--precisions` sets KDA_LM_PALLAS_PRECISION
-("highest" = IEEE float32 dots, "default" = TF32 tensor cores).
+("bf16" = bfloat16 operands on tensor cores, the GPU default; "tf32";
+"highest" = IEEE float32 dots). Other settings: `pallas.for_platform("gpu")`.
 """
 
 import os
@@ -46,6 +47,7 @@ import numpy as np
 from kda_lm import testing
 from kda_lm.ops import chunk_kda
 from kda_lm.ops.kda import pallas
+from kda_lm.ops.kda.pallas import options as pallas_options
 
 _T = flags.DEFINE_integer("seq_len", 8192, "Tokens per row T.")
 _B = flags.DEFINE_integer("batch", 1, "Rows B.")
@@ -60,7 +62,7 @@ _WARPS = flags.DEFINE_list("num_warps", [], "Triton num_warps values to "
                            "sweep for pallas (default: the module's).")
 _VBLOCKS = flags.DEFINE_list("v_blocks", ["64"], "V columns per program "
                              "to sweep for pallas.")
-_PRECISIONS = flags.DEFINE_list("precisions", ["highest", "default"],
+_PRECISIONS = flags.DEFINE_list("precisions", ["bf16", "tf32"],
                                 "In-kernel dot precisions to sweep for pallas "
                                 "(KDA_LM_PALLAS_PRECISION).")
 
@@ -164,11 +166,13 @@ def main(argv):
   dtype = jnp.dtype(_DTYPE.value)
   kind, peaks = device_peaks()
   print(f"device: {kind} ({jax.default_backend()}), jax {jax.__version__}, "
-        f"pallas interpret={pallas.interpret_mode()}")
+        f"pallas {pallas.default_options()}")
   params, ones, segmented, cot = make_inputs(0, B, T, H, D, dtype, _DOCS.value)
   variants = [(impl, None) for impl in _IMPLS.value if impl != "pallas"]
   if "pallas" in _IMPLS.value:
-    warps = _WARPS.value or [os.environ.get(pallas.NUM_WARPS_ENV, "4")]
+    warps = _WARPS.value or [os.environ.get(
+        pallas_options.NUM_WARPS_ENV,
+        str(pallas.for_platform("gpu").num_warps))]
     variants = [("pallas", (w, vb, pr)) for w in warps
                 for vb in _VBLOCKS.value for pr in _PRECISIONS.value
                 ] + variants
@@ -177,9 +181,9 @@ def main(argv):
     label = impl
     if setting is not None:  # read when tracing: a new setting retraces
       warps, v_block, precision = setting
-      os.environ[pallas.NUM_WARPS_ENV] = str(warps)
-      os.environ[pallas.V_BLOCK_ENV] = str(v_block)
-      os.environ[pallas.PRECISION_ENV] = precision
+      os.environ[pallas_options.NUM_WARPS_ENV] = str(warps)
+      os.environ[pallas_options.V_BLOCK_ENV] = str(v_block)
+      os.environ[pallas_options.PRECISION_ENV] = precision
       label = f"{impl} (warps {warps}, V block {v_block}, {precision})"
     for seg_name, seg in (("none", ones), (f"{_DOCS.value} docs", segmented)):
       for backward in (False, True):

@@ -20,6 +20,7 @@ with `jax_disable_most_optimizations` (restored afterwards) and reuses one
 jitted forward+gradient function per static configuration.
 """
 
+import dataclasses
 import functools
 import logging
 import re
@@ -32,11 +33,14 @@ import pytest
 from kda_lm import testing
 from kda_lm.ops import chunk_kda
 from kda_lm.ops.kda import api, pallas
+from kda_lm.ops.kda.pallas import options
 
 H, K, V = 2, 32, 16
 FIELDS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 TOKEN_FIELDS = ("q", "k", "v", "g", "beta")
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
+BF16_FWD_TOL, BF16_GRAD_TOL = 5e-3, 8e-3   # precision="bf16" (GPU default)
+CPU = pallas.for_platform("cpu")   # interpret mode, IEEE float32 dots
 
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
@@ -165,29 +169,34 @@ def test_head_dim_64_matches_reference(gate):
            fwd_and_grads("reference", params, None, do, dht, **static))
 
 
-def test_v_blocks_match_reference(monkeypatch):
-  """KDA_LM_PALLAS_V_BLOCK splits the state's V columns over the recurrence
-  kernels' programs (grid axis j on GPU, and in interpret mode). V=48 pads to
-  64: 4 blocks of 16. The columns of S are independent, so every output and
-  gradient is bit-identical to one block."""
+def test_v_and_k_blocks_match_reference(monkeypatch):
+  """KernelOptions.v_block splits the state's V columns over the recurrence
+  kernels' programs (grid axis j on GPU, and in interpret mode), k_block the
+  K columns of the backward's per-chunk gradient kernel. V=48 pads to 64:
+  4 blocks of 16 against the CPU default's one; K=32: one block of 32
+  against the CPU default's two of 16. Those columns are independent, so
+  every output and gradient is bit-identical."""
   params, static, do, dht = make_inputs(3, 2, PACKED_T, v=48)
   seg = PACKED_IDS
+  assert (CPU.v_block, CPU.k_block) == (64, 16)
   whole = fwd_and_grads("pallas", params, seg, do, dht, **static)
-  monkeypatch.setenv(pallas.V_BLOCK_ENV, "16")
-  split = fwd_and_grads("pallas", params, seg, do, dht, fresh=True,
-                        **static)
+  split = fwd_and_grads(
+      "pallas", params, seg, do, dht, **static,
+      pallas_options=dataclasses.replace(CPU, v_block=16, k_block=32))
   _compare(params, split, fwd_and_grads("reference", params, seg, do, dht,
                                         **static))
   for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(whole),
                   strict=True):
     np.testing.assert_array_equal(a, b)
-  monkeypatch.setenv(pallas.V_BLOCK_ENV, "48")
   with pytest.raises(ValueError, match="power of two"):
-    pallas.read_options()
+    dataclasses.replace(CPU, v_block=48)
+  monkeypatch.setenv(options.V_BLOCK_ENV, "48")
+  with pytest.raises(ValueError, match="KDA_LM_PALLAS_.*power of two"):
+    pallas.default_options()
 
 
 def test_tpu_style_recurrence_matches_reference(monkeypatch):
-  """KDA_LM_PALLAS_RECURRENCE=grid runs the recurrences as on TPU in
+  """recurrence="grid" runs the recurrences as on TPU in
   interpret mode: one chunk per step of an "arbitrary" grid axis, the state
   in a scratch buffer (written at the first step, read back at the last).
   Packed segments; padding gradients exactly 0 and finite with the NaN fill
@@ -195,17 +204,18 @@ def test_tpu_style_recurrence_matches_reference(monkeypatch):
   rest of this file check)."""
   params, seg, loop, want = packed_results()
   _, static, do, dht = make_inputs(0, 2, PACKED_T)
-  monkeypatch.setenv(pallas.RECURRENCE_ENV, "grid")
+  monkeypatch.setenv(options.RECURRENCE_ENV, "grid")  # the env override
   grid = fwd_and_grads("pallas", params, seg, do, dht, fresh=True,
                        **static)
+  assert pallas.default_options() == dataclasses.replace(CPU, recurrence="grid")
   _compare(params, grid, want)
   _compare(params, grid, loop, fwd_tol=1e-6, grad_tol=1e-6)
   pad = seg == 0
   for n in TOKEN_FIELDS:
     assert np.isfinite(grid[2][n]).all() and np.all(grid[2][n][pad] == 0), n
-  monkeypatch.setenv(pallas.RECURRENCE_ENV, "scan")
-  with pytest.raises(ValueError, match="KDA_LM_PALLAS_RECURRENCE"):
-    pallas.read_options()
+  monkeypatch.setenv(options.RECURRENCE_ENV, "scan")
+  with pytest.raises(ValueError, match="recurrence"):
+    pallas.default_options()
 
 
 def test_vmap_over_rows_equals_batch():
@@ -276,18 +286,40 @@ def test_auto_picks_pallas_on_accelerators_and_falls_back(monkeypatch,
     api._check_pallas("pallas", "pallas", 512, 16, 64)
 
 
-def test_interpret_switch(monkeypatch):
-  monkeypatch.delenv(pallas.INTERPRET_ENV, raising=False)
-  assert pallas.interpret_mode() == (jax.default_backend() == "cpu")
+def test_options_per_platform_and_env_overrides(monkeypatch):
+  """Defaults follow JAX's default backend; KDA_LM_PALLAS_* override one
+  field each, read only by `default_options`; bad values raise."""
+  for name in (options.INTERPRET_ENV, options.NUM_WARPS_ENV,
+               options.V_BLOCK_ENV, options.RECURRENCE_ENV,
+               options.PRECISION_ENV):
+    monkeypatch.delenv(name, raising=False)
+  assert pallas.default_options() == pallas.for_platform(
+      options.backend_platform())
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-  assert not pallas.interpret_mode()
-  monkeypatch.setenv(pallas.INTERPRET_ENV, "0")
-  assert not pallas.interpret_mode()
-  monkeypatch.setenv(pallas.INTERPRET_ENV, "1")
-  assert pallas.interpret_mode()
-  monkeypatch.setenv(pallas.INTERPRET_ENV, "yes")
-  with pytest.raises(ValueError):
-    pallas.interpret_mode()
+  assert pallas.default_options() == pallas.for_platform("tpu")
+  assert not pallas.default_options().interpret
+  monkeypatch.setattr(jax, "default_backend", lambda: "cuda")
+  gpu = pallas.default_options()
+  assert gpu == pallas.for_platform("gpu") and not gpu.interpret
+  assert hash(gpu) == hash(pallas.for_platform("gpu"))
+  monkeypatch.setenv(options.INTERPRET_ENV, "1")
+  monkeypatch.setenv(options.NUM_WARPS_ENV, "2")
+  monkeypatch.setenv(options.PRECISION_ENV, "bf16")
+  assert pallas.default_options() == dataclasses.replace(
+      gpu, interpret=True, num_warps=2, precision="bf16")
+  monkeypatch.setenv(options.INTERPRET_ENV, "yes")
+  with pytest.raises(ValueError, match="KDA_LM_PALLAS_INTERPRET"):
+    pallas.default_options()
+  monkeypatch.delenv(options.INTERPRET_ENV)
+  monkeypatch.setenv(options.PRECISION_ENV, "fp8")
+  with pytest.raises(ValueError, match="precision"):
+    pallas.default_options()
+  with pytest.raises(ValueError, match="num_warps"):
+    pallas.KernelOptions(num_warps=3)
+  with pytest.raises(ValueError, match="platform"):
+    pallas.for_platform("cuda")
+  with pytest.raises(ValueError, match="KernelOptions"):
+    chunk_kda(**_small(32, 16), impl="pallas", pallas_options={"x": 1})
 
 
 def test_interpret_mode_fills_unwritten_outputs_with_nan():
@@ -323,58 +355,74 @@ def _abstract_args():
   return params, S((b, t), jnp.int32)
 
 
-def _model_call(params, seg):
+def _model_call(params, seg, opts):
   return chunk_kda(**params, segment_ids=seg, output_final_state=True,
                    use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-                   impl="pallas")
+                   impl="pallas", pallas_options=opts)
 
 
 @pytest.mark.parametrize("platform", sorted(TARGETS))
 @pytest.mark.parametrize("mode", ["forward", "backward"])
-def test_cross_lowering(platform, mode, monkeypatch):
-  monkeypatch.setenv(pallas.INTERPRET_ENV, "0")
+def test_cross_lowering(platform, mode):
   params, seg = _abstract_args()
+  opts = pallas.for_platform("tpu" if platform == "tpu" else "gpu")
   if mode == "forward":
-    fn = _model_call
+    fn = functools.partial(_model_call, opts=opts)
   else:
     def fn(p, s):
-      o, state = _model_call(p, s)
+      o, state = _model_call(p, s, opts)
       return jnp.sum(o.astype(jnp.float32)) + jnp.sum(state)
     fn = jax.grad(fn)
   text = jax.jit(fn).trace(params, seg).lower(
       lowering_platforms=(platform,)).as_text()
   # Forward: intra-chunk, recurrence, output kernels. Gradient: intra and
   # recurrence (the output kernel's o is not needed by jax.grad, so it is
-  # dropped) plus the three backward kernels.
-  want = 3 if mode == "forward" else 5
+  # dropped) plus the five backward kernels.
+  want = 3 if mode == "forward" else 7
   assert text.count(TARGETS[platform]) == want, text.count(TARGETS[platform])
   other = TARGETS["cuda" if platform == "tpu" else "tpu"]
   assert other not in text
   if platform == "cuda":
     # Chunk-parallel kernels: grid (B, H, T / 64); the recurrence kernels:
-    # (B, H, V / 64), the default V blocks.
+    # (B, H, V / 64), the default V blocks; the backward's per-chunk
+    # gradient kernel: (B, H, T / 64 * K / k_block) (Triton's grid has
+    # three axes: Pallas folds the fourth into the third).
     grids = re.findall(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, "
                        r"grid_z = (\d+)", text)
     recur = 1 if mode == "forward" else 2
-    assert sorted(grids) == sorted([("1", "16", "128")] * (want - recur)
-                                   + [("1", "16", "2")] * recur), grids
+    kblocks = [] if mode == "forward" else [
+        ("1", "16", str(128 * LOWER_D // opts.k_block))]
+    assert sorted(grids) == sorted(
+        [("1", "16", "128")] * (want - recur - len(kblocks))
+        + [("1", "16", "2")] * recur + kblocks), grids
 
 
-def test_precision_switch_reaches_the_kernels(monkeypatch):
-  """KDA_LM_PALLAS_PRECISION=default changes the compiled Triton kernels
-  (TF32 dots on GPU); HIGHEST (IEEE float32) is the default."""
-  monkeypatch.setenv(pallas.INTERPRET_ENV, "0")
+def test_precision_reaches_the_kernels():
+  """KernelOptions.precision changes the lowered Triton kernels: IEEE
+  float32, TF32 and bfloat16-operand dots differ."""
   params, seg = _abstract_args()
-  texts = {}
-  for precision in ("highest", "default"):
-    monkeypatch.setenv(pallas.PRECISION_ENV, precision)
-    fn = lambda p, s: _model_call(p, s)  # a fresh trace: env read there
-    texts[precision] = jax.jit(fn).trace(params, seg).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert texts[precision].count(TARGETS["cuda"]) == 3
-  assert texts["highest"] != texts["default"]
-  monkeypatch.delenv(pallas.PRECISION_ENV)
-  assert pallas.read_options().precision == "highest"
-  monkeypatch.setenv(pallas.PRECISION_ENV, "tf32")
-  with pytest.raises(ValueError, match="KDA_LM_PALLAS_PRECISION"):
-    pallas.read_options()
+  texts = set()
+  for precision in options.PRECISIONS:
+    opts = dataclasses.replace(pallas.for_platform("gpu"),
+                               precision=precision)
+    text = jax.jit(functools.partial(_model_call, opts=opts)).trace(
+        params, seg).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(TARGETS["cuda"]) == 3
+    texts.add(text)
+  assert len(texts) == len(options.PRECISIONS)
+
+
+def test_bf16_dots_within_fla_like_tolerances():
+  """precision="bf16" (bfloat16 dot operands, float32 accumulation: FLA's
+  Triton dots for bfloat16 inputs), rounded as on a GPU in interpret mode,
+  on the packed rows, against the float32 reference. Measured rel_err:
+  o 2.7e-3, final state 2.3e-3, dq 2.5e-3, dk 2.6e-3, dv 2.8e-3, dg 4.1e-3,
+  dbeta 3.0e-3, dh0 2.1e-3, dA_log 1.2e-3, ddt_bias 3.8e-3 (bfloat16 has an
+  8-bit mantissa: 2^-9 = 2e-3 per rounding); FLA's bf16 tests allow ~5e-3.
+  The gate cumsum stays IEEE float32 (an error there is amplified by exp)."""
+  params, seg, _, want = packed_results()
+  _, static, do, dht = make_inputs(0, 2, PACKED_T)
+  got = fwd_and_grads("pallas", params, seg, do, dht, **static,
+                      pallas_options=dataclasses.replace(
+                          CPU, precision="bf16"))
+  _compare(params, got, want, fwd_tol=BF16_FWD_TOL, grad_tol=BF16_GRAD_TOL)

@@ -69,7 +69,7 @@ class KimiDeltaAttention(hk.Module):
                conv_size: int = 4, conv_bias: bool = False,
                norm_eps: float = 1e-6, impl: str = "auto",
                chunk_size: int = 64, param_dtype=jnp.float32,
-               name: Optional[str] = None):
+               pallas_options=None, name: Optional[str] = None):
     """Initialises the module.
 
     Args:
@@ -83,6 +83,8 @@ class KimiDeltaAttention(hk.Module):
       impl: `chunk_kda` implementation ("auto", "reference", "xla", ...).
       chunk_size: `chunk_kda` chunk size.
       param_dtype: dtype of the projection, conv and norm parameters.
+      pallas_options: `chunk_kda`'s `pallas.KernelOptions` (None: the
+        defaults of JAX's default backend).
       name: module name.
 
     Raises:
@@ -105,6 +107,7 @@ class KimiDeltaAttention(hk.Module):
     # How `chunk_kda` runs: its implementation and chunk length.
     self.impl, self.chunk_size = impl, chunk_size
     self.param_dtype = param_dtype
+    self.pallas_options = pallas_options
 
   def __call__(self, x: jax.Array,
                segment_ids: Optional[jax.Array] = None) -> jax.Array:
@@ -167,7 +170,7 @@ class KimiDeltaAttention(hk.Module):
         A_log=A_log_H, dt_bias=dt_bias, use_gate_in_kernel=True,
         lower_bound=lower_bound, safe_gate=safe_gate,
         use_qk_l2norm_in_kernel=True, chunk_size=self.chunk_size,
-        impl=self.impl)
+        impl=self.impl, pallas_options=self.pallas_options)
     o_BTHV = norm.GatedRMSNorm(eps=self.norm_eps, param_dtype=self.param_dtype,
                                name="o_norm")(
                                    o_BTHV, out_gate.reshape(B, T, H, V))

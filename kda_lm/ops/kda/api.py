@@ -231,7 +231,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
               output_final_state=False, segment_ids=None, cu_seqlens=None,
               A_log=None, dt_bias=None, use_gate_in_kernel=False,
               safe_gate=False, lower_bound=None,
-              use_qk_l2norm_in_kernel=False, chunk_size=None, impl="auto"):
+              use_qk_l2norm_in_kernel=False, chunk_size=None, impl="auto",
+              pallas_options=None):
   """Kimi Delta Attention over packed rows, with exact document resets.
 
   Per head, for each token t: `S = S * exp(g_t)[:, None]`;
@@ -266,8 +267,12 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
       for the implementation and backend (`default_chunk_size`).
     impl: "auto", "reference" (token-by-token oracle), "xla" (chunked) or
       "pallas" (fused kernels; K, V <= 256, chunk_size 64; interpret mode
-      per `pallas.interpret_mode()`). "auto" is "pallas" on TPU/GPU (falling
+      per `pallas_options`). "auto" is "pallas" on TPU/GPU (falling
       back to "xla" with a warning for unsupported shapes), "xla" on CPU.
+    pallas_options: `pallas.KernelOptions` for impl "pallas" (warps, stages,
+      V block, dot precision, interpret mode); None = `pallas.
+      default_options()`, the defaults of JAX's default backend
+      (`pallas.for_platform`) with any KDA_LM_PALLAS_* environment override.
 
   Returns:
     `(o, final_state)`: o [B,T,H,V] in q's dtype; final_state float32
@@ -296,13 +301,19 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
   impl = _check_pallas(requested, impl, K, V, chunk_size)
   if chosen:  # after a fallback from "pallas" to "xla"
     chunk_size = default_chunk_size(impl)
+  if impl == "pallas" and pallas_options is None:
+    pallas_options = pallas.default_options()
+  if pallas_options is not None and not isinstance(pallas_options,
+                                                   pallas.KernelOptions):
+    raise ValueError(f"pallas_options must be a pallas.KernelOptions, got "
+                     f"{type(pallas_options).__name__}.")
   core_kwargs = dict(
       scale=float(K ** -0.5 if scale is None else scale),
       lower_bound=None if lower_bound is None else float(lower_bound),
       use_gate_in_kernel=bool(use_gate_in_kernel),
       use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
       safe_gate=bool(safe_gate), impl=impl, chunk_size=chunk_size,
-      pallas_options=pallas.read_options() if impl == "pallas" else None)
+      pallas_options=pallas_options if impl == "pallas" else None)
   if impl != "reference":
     _check_reverse_mode(impl, (q, k, v, g, beta, initial_state, A_log,
                                dt_bias))

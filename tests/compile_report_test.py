@@ -1,0 +1,51 @@
+"""Tests of experiments/compile_report.py: the parsing and limits of the
+deviceless compile check (the check itself runs in its own environment:
+`.ci/run`, experiments/compile_check.py). The log lines are the formats
+XLA's ptxas step (TF_CPP_VMODULE=subprocess_compilation=2) and its thunk
+sequence dump print."""
+
+from experiments import compile_report
+
+PTXAS_LOG = """\
+I1202 subprocess_compilation.cc:349] ptxas warning : Registers are spilled
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'intra_kernel' for 'sm_90a'
+ptxas info    : Function properties for intra_kernel
+    1344 bytes stack frame, 1344 bytes spill stores, 1540 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 1344 bytes stack
+ptxas info    : Compiling entry function 'out_kernel' for 'sm_90a'
+ptxas info    : Function properties for out_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers
+"""
+
+THUNKS = """\
+001: kCustomKernel [source | sink] intra_kernel grid: [1, 16, 128] \
+threads: [256, 1, 1]  shared_memory: 36864 bytes
+002: kCustomKernel [source | sink] out_kernel grid: [1, 16, 128] \
+threads: [256, 1, 1]  shared_memory: 65536 bytes
+"""
+
+
+def test_parse_ptxas_per_entry_function():
+  assert compile_report.parse_ptxas(PTXAS_LOG) == {
+      "intra_kernel": (255, 1344, 1540), "out_kernel": (128, 0, 0)}
+  assert compile_report.parse_ptxas("no ptxas here") == {}
+
+
+def test_parse_thunks():
+  assert compile_report.parse_thunks(THUNKS) == [
+      ("intra_kernel", (1, 16, 128), 256, 36864),
+      ("out_kernel", (1, 16, 128), 256, 65536)]
+
+
+def test_limits_fail_oversized_kernels():
+  """Shared memory over the opt-in limit and spills over 1 KB per thread
+  (stores or loads) are failures; at the limits is fine."""
+  limit = 232448
+  assert not compile_report.gpu_problems(limit, limit, (1024, 1024), 1024)
+  assert compile_report.gpu_problems(limit + 1, limit, (0, 0), 1024) == [
+      "shared memory 232449 > 232448"]
+  assert compile_report.gpu_problems(36864, limit, (1344, 1540), 1024) == [
+      "spills 1344/1540 B > 1024"]
+  assert compile_report.gpu_problems(0, limit, (0, 1025), 1024)
