@@ -113,6 +113,10 @@ class Decoder:
   Attributes:
     cfg: the `ModelConfig`.
     max_len: S, cache slots per row (prompt + generated tokens).
+    prefill_jit: the jitted `(params, tokens, segment_ids) -> (logits,
+      cache)` without `prefill`'s checks.
+    step_jit: the jitted `(params, tokens [B,1], cache) -> (logits [B,1,W],
+      cache)`, cache donated.
   """
 
   def __init__(self, model_config: Any, max_len: int):
@@ -135,8 +139,8 @@ class Decoder:
         lambda t, s: _cached_forward(cfg, t, s, None, max_len)))
     step = hk.without_apply_rng(hk.transform(
         lambda t, c: _cached_forward(cfg, t, None, c, None)))
-    self._prefill = jax.jit(prefill.apply)
-    self._step = jax.jit(step.apply, donate_argnums=2)
+    self.prefill_jit = jax.jit(prefill.apply)
+    self.step_jit = jax.jit(step.apply, donate_argnums=2)
 
   def check_prompt(self, tokens: Any, segment_ids: Any = None) -> None:
     """Raises ValueError for prompts the cache cannot hold or bad ids.
@@ -175,7 +179,7 @@ class Decoder:
     tokens = jnp.asarray(tokens, jnp.int32)
     if segment_ids is not None:
       segment_ids = jnp.asarray(segment_ids, jnp.int32)
-    return self._prefill(params, tokens, segment_ids)
+    return self.prefill_jit(params, tokens, segment_ids)
 
   def step(self, params: hk.Params, tokens_B: jax.Array, cache: Cache
            ) -> tuple[jax.Array, Cache]:
@@ -184,7 +188,7 @@ class Decoder:
     `cache` is donated: do not use it after the call. The caller keeps the
     length within `max_len` (`generate` checks it before starting).
     """
-    logits_B1W, cache = self._step(params, jnp.asarray(tokens_B)[:, None],
+    logits_B1W, cache = self.step_jit(params, jnp.asarray(tokens_B)[:, None],
                                    cache)
     return logits_B1W[:, 0], cache
 
@@ -214,7 +218,7 @@ def abstract_cache(model_config: Any, batch: int, prompt_len: int,
   decoder = Decoder(model_config, max_len)
   params = model_lib.abstract_params(model_config)
   tokens = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
-  return jax.eval_shape(decoder._prefill, params, tokens, tokens)[1]  # pylint: disable=protected-access
+  return jax.eval_shape(decoder.prefill_jit, params, tokens, tokens)[1]
 
 
 # ---------------------------------------------------------------------------

@@ -1,6 +1,5 @@
 """Tests of kda_lm.decoding: cached decoding equals the full forward."""
 
-import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -178,16 +177,3 @@ def test_generate_stops_and_rejects_bad_input():
                                                        top_k=99))
   with pytest.raises(ValueError, match="empty"):
     decoding.generate(decoder, params, [[1], []], max_new_tokens=2)
-
-
-def test_decode_params_are_the_model_params():
-  cfg = tiny_config()
-  decoder = decoding.Decoder(cfg, max_len=8)
-  del decoder
-  fn = hk.transform(lambda t: decoding._cached_forward(  # pylint: disable=protected-access
-      cfg, t, None, None, 8))
-  prefill_params = fn.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-  model_params = model_lib.build(cfg).init(jax.random.key(0),
-                                           jnp.zeros((1, 4), jnp.int32))
-  assert (jax.tree.map(jnp.shape, prefill_params)
-          == jax.tree.map(jnp.shape, model_params))
