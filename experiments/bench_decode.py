@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 
 import kda_lm  # noqa: F401  # isort: skip  (first: XLA:CPU flags)
+from kda_lm import config as config_lib
 from kda_lm import decoding
 from kda_lm import model as model_lib
 
@@ -92,7 +93,7 @@ def main(argv):
   for pattern in _PATTERNS.value:
     model_config = _CONFIG.value.model.to_dict()
     model_config["attention_pattern"] = pattern
-    model_config["vocab_size"] = int(_CONFIG.value.model.vocab_size)
+    model_config = config_lib.ModelConfig.from_config(model_config)
     for P in (int(p) for p in _PROMPT_LENS.value):
       for B in (int(b) for b in _BATCHES.value):
         r = bench_one(model_config, B, P, _STEPS.value,
