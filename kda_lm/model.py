@@ -95,12 +95,18 @@ class DecoderBlock(hk.Module):
     self.use_moe = use_moe
 
   def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array],
-               positions: jax.Array
-               ) -> tuple[jax.Array, Optional[jax.Array]]:
-    """Maps `x [B,T,D]` to (`[B,T,D]`, expert load [E] or None)."""
+               positions: Optional[jax.Array], *, cache: Any = None,
+               max_len: Optional[int] = None) -> tuple[Any, ...]:
+    """Maps `x [B,T,D]` to (`[B,T,D]`, expert load [E] or None).
+
+    With a decode `cache` (the mixer's `KDACache` or `MLACache`) or a
+    prefill's `max_len` (see `kda_lm.decoding`), returns `(x, load,
+    mixer cache)`.
+    """
     cfg = self.cfg
     pdt = jnp.dtype(cfg.param_dtype)
     eps = cfg.norm_eps
+    with_cache = cache is not None or max_len is not None
     h = norm.RMSNorm(eps, pdt, name="attn_norm")(x)
     if self.kind == "K":
       h = kda.KimiDeltaAttention(
@@ -108,7 +114,7 @@ class DecoderBlock(hk.Module):
           gate=cfg.kda_gate, conv_size=cfg.conv_size,
           conv_bias=cfg.conv_bias, norm_eps=eps, impl=cfg.kda_impl,
           chunk_size=cfg.kda_chunk_size, param_dtype=pdt, name="kda")(
-              h, segment_ids)
+              h, segment_ids, cache=cache, return_cache=with_cache)
     else:
       h = mla.MultiHeadLatentAttention(
           cfg.mla_num_heads, q_lora_rank=cfg.q_lora_rank,
@@ -118,21 +124,25 @@ class DecoderBlock(hk.Module):
           v_head_dim=cfg.v_head_dim, rope_theta=cfg.rope_theta,
           use_nope=cfg.use_nope, output_gate=cfg.mla_output_gate,
           norm_eps=eps, param_dtype=pdt, name="mla")(
-              h, segment_ids, positions)
+              h, segment_ids, positions, cache=cache, max_len=max_len)
+    if with_cache:
+      h, cache = h
     x = x + h
     h = norm.RMSNorm(eps, pdt, name="mlp_norm")(x)
     if not self.use_moe:
-      return x + mlp.SwiGLU(cfg.mlp_hidden_dim, param_dtype=pdt,
-                            name="mlp")(h), None
-    h, load = moe.MoE(
-        cfg.num_experts, cfg.num_experts_per_tok,
-        cfg.moe_intermediate_size,
-        num_shared_experts=cfg.num_shared_experts,
-        routed_scaling_factor=cfg.routed_scaling_factor,
-        n_group=cfg.n_group, topk_group=cfg.topk_group,
-        param_dtype=pdt, name="moe")(
-            h, None if segment_ids is None else segment_ids != 0)
-    return x + h, load
+      out = x + mlp.SwiGLU(cfg.mlp_hidden_dim, param_dtype=pdt,
+                           name="mlp")(h), None
+    else:
+      h, load = moe.MoE(
+          cfg.num_experts, cfg.num_experts_per_tok,
+          cfg.moe_intermediate_size,
+          num_shared_experts=cfg.num_shared_experts,
+          routed_scaling_factor=cfg.routed_scaling_factor,
+          n_group=cfg.n_group, topk_group=cfg.topk_group,
+          param_dtype=pdt, name="moe")(
+              h, None if segment_ids is None else segment_ids != 0)
+      out = x + h, load
+    return out + (cache,) if with_cache else out
 
 
 def _check_int_array(name: str, x: Any, shape: Optional[tuple[int, ...]]):
@@ -196,7 +206,19 @@ def _check_inputs(cfg, tokens, segment_ids, positions):
   return segment_ids, positions.astype(jnp.int32)
 
 
-def _embedding_and_head(cfg: config_lib.ModelConfig):
+def embed(cfg: config_lib.ModelConfig, emb_WD: jax.Array,
+          tokens: jax.Array) -> jax.Array:
+  """`[B,T]` token ids to `[B,T,D]` embeddings in the compute dtype.
+
+  Under jit an out-of-range id (negative ones included, which `take` would
+  wrap) reads NaN instead of being clipped to a valid row.
+  """
+  ids_BT = jnp.where(tokens < 0, cfg.vocab_size, tokens)
+  return jnp.take(emb_WD, ids_BT, axis=0, mode="fill").astype(
+      jnp.dtype(cfg.compute_dtype))
+
+
+def embedding_and_head(cfg: config_lib.ModelConfig):
   """The embedding table [W,D] and the LM head `[B,T,D] -> [B,T,W]`."""
   pdt = jnp.dtype(cfg.param_dtype)
   with hk.name_scope("embed"):
@@ -264,12 +286,8 @@ def forward(cfg: config_lib.ModelConfig, tokens: jax.Array,
   segment_ids, positions = _check_inputs(cfg, tokens, segment_ids,
                                          positions)
   pdt = jnp.dtype(cfg.param_dtype)
-  emb_WD, head = _embedding_and_head(cfg)
-  # Under jit an out-of-range id (negative ones included, which `take` would
-  # wrap) reads NaN instead of being clipped to a valid row.
-  ids_BT = jnp.where(tokens < 0, cfg.vocab_size, tokens)
-  emb_BTD = jnp.take(emb_WD, ids_BT, axis=0, mode="fill").astype(
-      jnp.dtype(cfg.compute_dtype))
+  emb_WD, head = embedding_and_head(cfg)
+  emb_BTD = embed(cfg, emb_WD, tokens)
   x_BTD = emb_BTD
   loads = []
   for i, kind in enumerate(cfg.attention_pattern):

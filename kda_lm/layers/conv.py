@@ -1,15 +1,19 @@
 """ShortConvolution: FLA's depthwise causal convolution, segment-aware.
 
-Shape glossary (`kda_lm/model.py`'s): B batch rows, T tokens, D channels,
-J kernel size (taps).
+Shape glossary: B batch rows, T tokens, D channels, W kernel size.
 
-`y[t, d] = act(sum_{j=0}^{J-1} w[J-1-j, d] * x[t-j, d] (+ b[d]))`, where a
+`y[t, d] = act(sum_{j=0}^{W-1} w[W-1-j, d] * x[t-j, d] (+ b[d]))`, where a
 tap `x[t-j]` reads as zero unless it lies in the same segment as `t` (the
 window never reaches across a document boundary or into padding), as if each
 document had been run alone with FLA's zero left padding.
+
+Decoding keeps the window of the last `W-1` inputs as a cache: a prefill
+returns it (`return_window=True`, zero outside the row's last segment), and
+each decode step convolves `concat(window, x)` and returns the shifted
+window.
 """
 
-from typing import Optional
+from typing import Any, Optional
 
 import haiku as hk
 import jax
@@ -27,7 +31,7 @@ class ShortConvolution(hk.Module):
     """Initialises the module.
 
     Args:
-      kernel_size: J, taps per channel (current token and J-1 before it).
+      kernel_size: W, taps per channel (current token and W-1 before it).
       with_bias: add a per-channel bias before the activation.
       activation: "silu" or None.
       param_dtype: dtype of the stored parameters.
@@ -50,38 +54,54 @@ class ShortConvolution(hk.Module):
     self.param_dtype = param_dtype
 
   def __call__(self, x: jax.Array,
-               segment_ids: Optional[jax.Array] = None) -> jax.Array:
+               segment_ids: Optional[jax.Array] = None, *,
+               window: Optional[jax.Array] = None,
+               return_window: bool = False) -> Any:
     """Convolves `x`.
 
     Args:
       x: [B,T,D] inputs.
       segment_ids: optional [B,T] int ids (0 = padding); None = one segment
         per row.
+      window: optional [B,W-1,D] inputs that precede `x` in its document
+        (a decode cache; zeros = the document starts with `x`). Not with
+        `segment_ids`.
+      return_window: also return the window after `x`.
 
     Returns:
-      [B,T,D] in `x`'s dtype.
+      [B,T,D] in `x`'s dtype; with `window` or `return_window`, `(y,
+      window [B,W-1,D])`: the last W-1 inputs of the row's last segment,
+      zero before its start.
 
     Raises:
-      ValueError: `x` is not 3-D or `segment_ids` is not [B,T].
+      ValueError: `x` is not 3-D, `segment_ids` is not [B,T], or `window`
+        is not [B,W-1,D] or comes with `segment_ids`.
     """
     if x.ndim != 3:
       raise ValueError(f"x must be [B,T,D], got shape {x.shape}.")
     B, T, D = x.shape
-    J = self.kernel_size
-    # PyTorch's Conv1d default init for a depthwise kernel: fan_in = J.
-    bound = J ** -0.5
+    W = self.kernel_size
+    # PyTorch's Conv1d default init for a depthwise kernel: fan_in = W.
+    bound = W ** -0.5
     init = hk.initializers.RandomUniform(-bound, bound)
-    w_JD = hk.get_parameter("weight", [J, D], self.param_dtype, init=init)
-    w_JD = w_JD.astype(x.dtype)
-    x_pad = jnp.pad(x, ((0, 0), (J - 1, 0), (0, 0)))
+    w_WD = hk.get_parameter("weight", [W, D], self.param_dtype, init=init)
+    w_WD = w_WD.astype(x.dtype)
+    if window is None:
+      x_pad = jnp.pad(x, ((0, 0), (W - 1, 0), (0, 0)))
+    else:
+      if segment_ids is not None or window.shape != (B, W - 1, D):
+        raise ValueError(f"window must be [B,W-1,D] = {(B, W - 1, D)} and "
+                         f"comes without segment_ids; got "
+                         f"{window.shape}.")
+      x_pad = jnp.concatenate([window.astype(x.dtype), x], axis=1)
     if segment_ids is not None:
       if segment_ids.shape != (B, T):
         raise ValueError(f"segment_ids must be [B,T] = {(B, T)}, got "
                          f"{segment_ids.shape}.")
       off_BT = segments.offsets(segment_ids)
-    y = x * w_JD[J - 1]
-    for j in range(1, J):
-      tap = x_pad[:, J - 1 - j:J - 1 - j + T] * w_JD[J - 1 - j]
+    y = x * w_WD[W - 1]
+    for j in range(1, W):
+      tap = x_pad[:, W - 1 - j:W - 1 - j + T] * w_WD[W - 1 - j]
       if segment_ids is not None:
         tap = jnp.where((off_BT >= j)[:, :, None], tap, jnp.zeros_like(tap))
       y = y + tap
@@ -90,4 +110,21 @@ class ShortConvolution(hk.Module):
       y = y + b_D.astype(x.dtype)
     if self.activation == "silu":
       y = jax.nn.silu(y)
-    return y
+    if window is None and not return_window:
+      return y
+    return y, self._last_window(x_pad, segment_ids)
+
+  def _last_window(self, x_pad: jax.Array,
+                   segment_ids: Optional[jax.Array]) -> jax.Array:
+    """The last W-1 inputs of `x_pad [B,W-1+T,D]`, zero outside the row's
+    last segment."""
+    W = self.kernel_size
+    T = x_pad.shape[1] - (W - 1)
+    win_BJD = x_pad[:, T:]
+    if segment_ids is None:
+      return win_BJD
+    piece_BT = jnp.pad(segments.piece_ids(segment_ids), ((0, 0), (W - 1, 0)),
+                       constant_values=-1)[:, T:]
+    keep_BJ = ((piece_BT == piece_BT[:, -1:])
+               & (segment_ids[:, -1:] != 0))
+    return jnp.where(keep_BJ[:, :, None], win_BJD, 0).astype(x_pad.dtype)

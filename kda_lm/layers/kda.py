@@ -21,10 +21,17 @@ q and k are L2-normalised inside the op. Two gate variants:
 
 `A_log [H]` and `dt_bias [H*K]` are float32 whatever the parameter dtype and
 are not weight-decayed (`kda_lm.optimizer.weight_decay_mask`).
+
+Decoding (`kda_lm.decoding`): `return_cache=True` (a prefill) also returns a
+`KDACache` (the float32 state after each row's last token and the last
+`conv_size - 1` inputs of the q, k, v short convolutions); passing `cache`
+runs the new tokens through the recurrence in closed form from it
+(`ops.kda.recurrent.recurrent_kda`) and returns the updated cache. Its size
+does not depend on the length.
 """
 
 import math
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import haiku as hk
 import jax
@@ -32,10 +39,26 @@ import jax.numpy as jnp
 
 from kda_lm import ops
 from kda_lm.layers import conv, linear, norm
+from kda_lm.ops.kda import recurrent
 
 GATES = ("ling", "kimi")
 LING_LOWER_BOUND = -5.0
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 0.1, 1e-4
+
+
+class KDACache(NamedTuple):
+  """A KDA layer's decode cache (J = conv_size - 1 taps).
+
+  Attributes:
+    state: [B,H,K,V] float32 recurrent state after the last token.
+    q_window: [B,J,H*K] last inputs of the q short convolution.
+    k_window: [B,J,H*K] same for k.
+    v_window: [B,J,H*V] same for v.
+  """
+  state: jax.Array
+  q_window: jax.Array
+  k_window: jax.Array
+  v_window: jax.Array
 
 
 def a_log_init(gate: str) -> hk.initializers.Initializer:
@@ -102,15 +125,18 @@ class KimiDeltaAttention(hk.Module):
     self.head_dim = head_dim
     self.head_v_dim = head_v_dim
     self.gate = gate
-    self.conv_size, self.conv_bias = conv_size, conv_bias
+    self.conv_size = conv_size
+    self.conv_bias = conv_bias
     self.norm_eps = norm_eps
-    # How `chunk_kda` runs: its implementation and chunk length.
-    self.impl, self.chunk_size = impl, chunk_size
+    self.impl = impl
+    self.chunk_size = chunk_size
     self.param_dtype = param_dtype
     self.pallas_options = pallas_options
 
   def __call__(self, x: jax.Array,
-               segment_ids: Optional[jax.Array] = None) -> jax.Array:
+               segment_ids: Optional[jax.Array] = None, *,
+               cache: Optional[KDACache] = None,
+               return_cache: bool = False) -> Any:
     """Mixes tokens within each document.
 
     Args:
@@ -118,12 +144,18 @@ class KimiDeltaAttention(hk.Module):
       segment_ids: optional [B,T] int ids, 1-based documents, 0 = padding;
         the state and the conv window reset wherever the id changes. None =
         one document per row.
+      cache: optional `KDACache` of the tokens before `x` (decoding; then
+        `segment_ids` must be None: every token continues its row).
+      return_cache: also return the cache after `x` (a prefill; it holds
+        each row's last segment).
 
     Returns:
-      [B,T,D] in `x`'s dtype.
+      [B,T,D] in `x`'s dtype; with `cache` or `return_cache`,
+      `(y, KDACache)`.
 
     Raises:
-      ValueError: `x` is not [B,T,D] or `segment_ids` is not [B,T].
+      ValueError: `x` is not [B,T,D], `segment_ids` is not [B,T], or a
+        `cache` comes with `segment_ids`.
     """
     if x.ndim != 3:
       raise ValueError(f"x must be [B,T,D], got shape {x.shape}.")
@@ -134,6 +166,10 @@ class KimiDeltaAttention(hk.Module):
         raise ValueError(f"segment_ids must be [B,T] = {(B, T)}, got "
                          f"{segment_ids.shape}.")
       segment_ids = segment_ids.astype(jnp.int32)
+    if cache is not None and segment_ids is not None:
+      raise ValueError("A KDA decode step (cache) takes no segment_ids.")
+    with_cache = cache is not None or return_cache
+    windows = {}
 
     # Modules are built here, not in helper methods, so that their names
     # carry no method scope ("kda/q_proj", not "kda/~_dense/q_proj").
@@ -143,9 +179,15 @@ class KimiDeltaAttention(hk.Module):
 
     def proj_conv(size, name):
       y = dense(size, f"{name}_proj")(x)
-      return conv.ShortConvolution(
+      y = conv.ShortConvolution(
           self.conv_size, with_bias=self.conv_bias, activation="silu",
-          param_dtype=self.param_dtype, name=f"{name}_conv1d")(y, segment_ids)
+          param_dtype=self.param_dtype, name=f"{name}_conv1d")(
+              y, segment_ids, return_window=with_cache,
+              window=None if cache is None else
+              getattr(cache, f"{name}_window"))
+      if with_cache:
+        y, windows[f"{name}_window"] = y
+      return y
 
     q_BTHK = proj_conv(H * K, "q").reshape(B, T, H, K)
     k_BTHK = proj_conv(H * K, "k").reshape(B, T, H, K)
@@ -165,16 +207,25 @@ class KimiDeltaAttention(hk.Module):
                                init=a_log_init(self.gate))
     dt_bias = hk.get_parameter("dt_bias", [H * K], jnp.float32,
                                init=dt_bias_init)
-    o_BTHV, _ = ops.chunk_kda(
-        q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, segment_ids=segment_ids,
-        A_log=A_log_H, dt_bias=dt_bias, use_gate_in_kernel=True,
-        lower_bound=lower_bound, safe_gate=safe_gate,
-        use_qk_l2norm_in_kernel=True, chunk_size=self.chunk_size,
-        impl=self.impl, pallas_options=self.pallas_options)
+    if cache is None:
+      o_BTHV, state = ops.chunk_kda(
+          q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, segment_ids=segment_ids,
+          A_log=A_log_H, dt_bias=dt_bias, use_gate_in_kernel=True,
+          lower_bound=lower_bound, safe_gate=safe_gate,
+          use_qk_l2norm_in_kernel=True, output_final_state=return_cache,
+          chunk_size=self.chunk_size, impl=self.impl,
+          pallas_options=self.pallas_options)
+    else:
+      o_BTHV, state = recurrent.recurrent_kda(
+          q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, cache.state,
+          A_log=A_log_H, dt_bias=dt_bias, lower_bound=lower_bound)
     o_BTHV = norm.GatedRMSNorm(eps=self.norm_eps, param_dtype=self.param_dtype,
                                name="o_norm")(
                                    o_BTHV, out_gate.reshape(B, T, H, V))
-    return dense(D, "o_proj")(o_BTHV.reshape(B, T, H * V))
+    y = dense(D, "o_proj")(o_BTHV.reshape(B, T, H * V))
+    if not with_cache:
+      return y
+    return y, KDACache(state=state, **windows)
 
 
 def param_count(d_model: int, num_heads: int, head_dim: int, *,

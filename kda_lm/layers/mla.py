@@ -1,15 +1,14 @@
 """MultiHeadLatentAttention: DeepSeek-V2/V3 MLA with packed-document masks.
 
-Shape glossary (`kda_lm/model.py`'s): B batch rows, T tokens (S: key
-tokens), D model width, H heads, Z = qk_nope_head_dim, R = qk_rope_head_dim,
-K = Z + R query/key dims per head, V = v_head_dim, Q = q_lora_rank,
-L = kv_lora_rank.
+Shape glossary: B batch rows, T tokens (S: key tokens), D model width,
+H heads, N = qk_nope_head_dim, R = qk_rope_head_dim, E = v_head_dim,
+Q = q_lora_rank, C = kv_lora_rank.
 
   Q:   [q_nope, q_rope] = RMSNorm(x W_qa) W_qb      (or x W_q when Q = 0)
   KV:  [c_kv, k_rope] = x W_kva; [k_nope, v] = RMSNorm(c_kv) W_kvb
   RoPE (interleaved, per-document positions) on q_rope and on the single
        k_rope shared by all heads; skipped with `use_nope` (Kimi Linear).
-  s = (q_nope . k_nope + q_rope . k_rope) / sqrt(Z + R)
+  s = (q_nope . k_nope + q_rope . k_rope) / sqrt(N + R)
   mask = causal & same segment & key not padding
   o = softmax(s) v  [* sigmoid(x W_g) per head, Ling 3.0's gated MLA]
   y = o W_o
@@ -19,10 +18,23 @@ outputs zeros. Rows longer than `q_block` attend in causal query blocks
 (block [a, b) reads keys [0, b) only), each rematerialised in the backward
 pass, so long rows neither compute the upper triangle's blocks nor store
 the [T,T] probabilities.
+
+Decoding (`kda_lm.decoding`): `max_len=S` (a prefill) also returns an
+`MLACache`: the normalised latent `c_kv` and the rotated shared RoPE key of
+every position up to `S` (C + R values per token), with the first valid slot
+and the length of each row (left padding before a row's last document is
+masked). Passing `cache` decodes one token per row in the absorbed form
+(DeepSeek-V2): `W_kvb`'s key part is folded into the query
+(`q_lat = W_uk q_nope`, [B,H,C]) and its value part applied after the
+softmax, so the step attends in latent space and never expands keys or
+values:
+
+  s = (q_lat . c_kv + q_rope . k_rope) / sqrt(N + R)      [B,H,S]
+  o = (softmax(s) c_kv) W_uv                               [B,H,E]
 """
 
 import functools
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import haiku as hk
 import jax
@@ -46,42 +58,122 @@ def _block_mask(start, stop, S, piece_BT, valid_BT):
   return mask[:, None]
 
 
-def _attend_block(q_BtHK, k_BSHK, v_BSHV, piece_BT, valid_BT, *, start,
+def _attend_block(q_BtHP, k_BSHP, v_BSHE, piece_BT, valid_BT, *, start,
                   scale):
   """Softmax attention of queries [start, start+t) over keys [0, S).
 
   Returns:
-    [B,t,H,V] float32.
+    [B,t,H,E] float32.
   """
-  stop, S = start + q_BtHK.shape[1], k_BSHK.shape[1]
-  s_BHtS = jnp.einsum("bthp,bshp->bhts", q_BtHK, k_BSHK,
+  stop, S = start + q_BtHP.shape[1], k_BSHP.shape[1]
+  s_BHtS = jnp.einsum("bthp,bshp->bhts", q_BtHP, k_BSHP,
                       preferred_element_type=jnp.float32) * scale
   mask = _block_mask(start, stop, S, piece_BT, valid_BT)
   s_BHtS = jnp.where(mask, s_BHtS, MASK_VALUE)
-  p_BHtS = jax.nn.softmax(s_BHtS, axis=-1).astype(v_BSHV.dtype)
-  return jnp.einsum("bhts,bshe->bthe", p_BHtS, v_BSHV,
+  p_BHtS = jax.nn.softmax(s_BHtS, axis=-1).astype(v_BSHE.dtype)
+  return jnp.einsum("bhts,bshe->bthe", p_BHtS, v_BSHE,
                     preferred_element_type=jnp.float32)
 
 
-def _attend(q_BTHK, k_BTHK, v_BTHV, piece_BT, valid_BT, *, scale, q_block):
-  """Masked softmax attention of all queries: [B,T,H,V] float32.
+class MLACache(NamedTuple):
+  """An MLA layer's decode cache (S = max_len slots).
 
-  Rows longer than `q_block` attend in causal query blocks: block [a, b)
-  only reads keys [0, b), and its scores are recomputed in the backward pass
-  instead of stored.
+  Attributes:
+    c_kv: [B,S,C] normalised KV latents (`kv_a_norm(c_kv)`), zero beyond
+      `lengths`.
+    k_rope: [B,S,R] shared RoPE keys, rotated at their positions.
+    starts: [B] int32, each row's first valid slot (left padding before).
+    lengths: [B] int32, slots filled (the next token's slot); the next
+      token's position is `lengths - starts`.
   """
-  T = q_BTHK.shape[1]
-  if T <= q_block:
-    return _attend_block(q_BTHK, k_BTHK, v_BTHV, piece_BT, valid_BT,
-                         start=0, scale=scale)
-  outs = []
-  for start in range(0, T, q_block):
-    stop = min(start + q_block, T)
-    attend = jax.checkpoint(functools.partial(
-        _attend_block, start=start, scale=scale))
-    outs.append(attend(q_BTHK[:, start:stop], k_BTHK[:, :stop],
-                       v_BTHV[:, :stop], piece_BT, valid_BT))
-  return jnp.concatenate(outs, axis=1)
+  c_kv: jax.Array
+  k_rope: jax.Array
+  starts: jax.Array
+  lengths: jax.Array
+
+
+def prefill_cache(c_BTC: jax.Array, k_rope_BTR: jax.Array,
+                  segment_ids: Optional[jax.Array], max_len: int
+                  ) -> MLACache:
+  """The cache after a prefill: every row continues its last segment.
+
+  Args:
+    c_BTC: [B,T,C] normalised latents.
+    k_rope_BTR: [B,T,R] rotated RoPE keys.
+    segment_ids: [B,T] ids or None (one document per row).
+    max_len: S >= T, the slots to allocate.
+
+  Returns:
+    The `MLACache`.
+
+  Raises:
+    ValueError: T > max_len.
+  """
+  B, T, _ = c_BTC.shape
+  if isinstance(max_len, bool) or not isinstance(max_len, int) or (
+      max_len < T):
+    raise ValueError(f"max_len must be an int >= the prompt length {T}, got "
+                     f"{max_len!r}.")
+  pad = ((0, 0), (0, max_len - T), (0, 0))
+  if segment_ids is None:
+    n_last_B = jnp.full((B,), T, jnp.int32)
+  else:
+    n_last_B = jnp.where(segment_ids[:, -1] != 0,
+                         segments.offsets(segment_ids)[:, -1] + 1, 0)
+  return MLACache(c_kv=jnp.pad(c_BTC, pad), k_rope=jnp.pad(k_rope_BTR, pad),
+                  starts=(T - n_last_B).astype(jnp.int32),
+                  lengths=jnp.full((B,), T, jnp.int32))
+
+
+def _output(x, o_BTHE, segment_ids, dense, output_gate):
+  """Zeroes padding, applies the output gate and `o_proj`: [B,T,D].
+
+  A function, not a method, so that the modules it builds inside `__call__`
+  carry no method scope in their names.
+  """
+  B, T, D = x.shape
+  H, E = o_BTHE.shape[2:]
+  if segment_ids is not None:
+    o_BTHE = jnp.where((segment_ids != 0)[:, :, None, None], o_BTHE, 0.0)
+  if output_gate:
+    gate_BTH = jax.nn.sigmoid(dense(H, "g_proj")(x).astype(jnp.float32))
+    o_BTHE = o_BTHE * gate_BTH[..., None]
+  o_BTHE = o_BTHE.astype(x.dtype)
+  return dense(D, "o_proj")(o_BTHE.reshape(B, T, H * E))
+
+
+def _decode_attend(q_nope_BHN, q_rope_BHR, c_BC, k_rope_BR, cache, w_CHX,
+                   scale):
+  """One token per row against the cache, in the absorbed form.
+
+  Returns:
+    (o [B,H,E] float32, the cache with the token written).
+  """
+  B = c_BC.shape[0]
+  N = q_nope_BHN.shape[-1]
+  rows = jnp.arange(B)
+  c_BSC = cache.c_kv.at[rows, cache.lengths].set(c_BC.astype(
+      cache.c_kv.dtype))
+  r_BSR = cache.k_rope.at[rows, cache.lengths].set(k_rope_BR.astype(
+      cache.k_rope.dtype))
+  w_CHN, w_CHE = w_CHX[..., :N], w_CHX[..., N:]
+  f32 = jnp.float32
+  q_lat_BHC = jnp.einsum("bhn,chn->bhc", q_nope_BHN, w_CHN.astype(
+      q_nope_BHN.dtype), preferred_element_type=f32)
+  s_BHS = (jnp.einsum("bhc,bsc->bhs", q_lat_BHC.astype(c_BSC.dtype), c_BSC,
+                      preferred_element_type=f32)
+           + jnp.einsum("bhr,bsr->bhs", q_rope_BHR, r_BSR,
+                        preferred_element_type=f32)) * scale
+  slot_S = jnp.arange(c_BSC.shape[1])
+  valid_BS = ((slot_S >= cache.starts[:, None])
+              & (slot_S <= cache.lengths[:, None]))
+  s_BHS = jnp.where(valid_BS[:, None], s_BHS, MASK_VALUE)
+  p_BHS = jax.nn.softmax(s_BHS, axis=-1)
+  o_lat_BHC = jnp.einsum("bhs,bsc->bhc", p_BHS.astype(c_BSC.dtype), c_BSC,
+                         preferred_element_type=f32)
+  o_BHE = jnp.einsum("bhc,che->bhe", o_lat_BHC, w_CHE.astype(f32))
+  return o_BHE, cache._replace(c_kv=c_BSC, k_rope=r_BSR,
+                               lengths=cache.lengths + 1)
 
 
 class MultiHeadLatentAttention(hk.Module):
@@ -98,14 +190,14 @@ class MultiHeadLatentAttention(hk.Module):
     Args:
       num_heads: H.
       q_lora_rank: Q, rank of the query compression; 0 = a direct `W_q`.
-      kv_lora_rank: L, rank of the compressed KV latent.
-      qk_nope_head_dim: Z, per-head query/key dims without RoPE.
+      kv_lora_rank: C, rank of the compressed KV latent.
+      qk_nope_head_dim: N, per-head query/key dims without RoPE.
       qk_rope_head_dim: R, per-head query dims (and shared key dims) that
         carry RoPE; even unless `use_nope`.
-      v_head_dim: V, per-head value dims.
+      v_head_dim: E, per-head value dims.
       rope_theta: RoPE base.
       use_nope: no positional rotation (Kimi Linear's NoPE MLA); the R dims
-        still exist and the scale still uses Z + R.
+        still exist and the scale still uses N + R.
       output_gate: multiply each head's output by `sigmoid(x W_g)_h`.
       norm_eps: epsilon of the q and kv latent RMSNorms.
       q_block: rows longer than this attend in causal query blocks of this
@@ -126,19 +218,22 @@ class MultiHeadLatentAttention(hk.Module):
                qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
                use_nope=use_nope)
     self.num_heads = num_heads
-    # Latent ranks (Q, L), then per-head dims (Z, R, V).
-    self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
+    self.q_lora_rank = q_lora_rank
+    self.kv_lora_rank = kv_lora_rank
     self.qk_nope_head_dim = qk_nope_head_dim
     self.qk_rope_head_dim = qk_rope_head_dim
     self.v_head_dim = v_head_dim
-    self.rope_theta, self.use_nope = rope_theta, use_nope
+    self.rope_theta = rope_theta
+    self.use_nope = use_nope
     self.output_gate = output_gate
     self.norm_eps = norm_eps
     self.q_block = q_block
     self.param_dtype = param_dtype
 
   def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array] = None,
-               positions: Optional[jax.Array] = None) -> jax.Array:
+               positions: Optional[jax.Array] = None, *,
+               cache: Optional[MLACache] = None,
+               max_len: Optional[int] = None) -> Any:
     """Attends within each document.
 
     Args:
@@ -147,12 +242,16 @@ class MultiHeadLatentAttention(hk.Module):
         per row.
       positions: optional [B,T] int RoPE positions; None = derived from
         `segment_ids` (restarting at 0 per document), or 0..T-1.
+      cache: optional `MLACache` of the tokens before `x` (decoding: T = 1,
+        no `segment_ids` or `positions`; the position comes from the cache).
+      max_len: a prefill: also return the cache, with this many slots.
 
     Returns:
-      [B,T,D] in `x`'s dtype.
+      [B,T,D] in `x`'s dtype; with `cache` or `max_len`, `(y, MLACache)`.
 
     Raises:
-      ValueError: `x` is not [B,T,D] or an id/position array is not [B,T].
+      ValueError: `x` is not [B,T,D], an id/position array is not [B,T],
+        or a decode step gets T != 1, segment ids or positions.
     """
     if x.ndim != 3:
       raise ValueError(f"x must be [B,T,D], got shape {x.shape}.")
@@ -165,22 +264,25 @@ class MultiHeadLatentAttention(hk.Module):
         size, param_dtype=self.param_dtype, name=name)
     rms = lambda name: norm.RMSNorm(self.norm_eps, self.param_dtype,
                                     name=name)
-    H, Z, R = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
-    V, L = self.v_head_dim, self.kv_lora_rank
+    H, N, R = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
+    E, C = self.v_head_dim, self.kv_lora_rank
 
     if self.q_lora_rank:
       c_q = rms("q_a_norm")(dense(self.q_lora_rank, "q_a_proj")(x))
-      q_BTHK = dense(H * (Z + R), "q_b_proj")(c_q)
+      q_BTHP = dense(H * (N + R), "q_b_proj")(c_q)
     else:
-      q_BTHK = dense(H * (Z + R), "q_proj")(x)
-    q_BTHK = q_BTHK.reshape(B, T, H, Z + R)
-    kv_a = dense(L + R, "kv_a_proj")(x)
-    c_kv_BTL, k_rope_BTR = kv_a[..., :L], kv_a[..., L:]
-    kv_BTHX = dense(H * (Z + V), "kv_b_proj")(
-        rms("kv_a_norm")(c_kv_BTL)).reshape(B, T, H, Z + V)
-    k_nope_BTHZ, v_BTHV = kv_BTHX[..., :Z], kv_BTHX[..., Z:]
-    q_nope_BTHZ, q_rope_BTHR = q_BTHK[..., :Z], q_BTHK[..., Z:]
+      q_BTHP = dense(H * (N + R), "q_proj")(x)
+    q_BTHP = q_BTHP.reshape(B, T, H, N + R)
+    kv_a = dense(C + R, "kv_a_proj")(x)
+    c_kv_BTC = rms("kv_a_norm")(kv_a[..., :C])
+    k_rope_BTR = kv_a[..., C:]
+    q_nope_BTHN, q_rope_BTHR = q_BTHP[..., :N], q_BTHP[..., N:]
     k_rope_BT1R = k_rope_BTR[:, :, None, :]
+    if cache is not None:
+      if T != 1 or segment_ids is not None or positions is not None:
+        raise ValueError(f"An MLA decode step (cache) takes one token per "
+                         f"row and no segment_ids or positions; got T={T}.")
+      positions = (cache.lengths - cache.starts)[:, None]
     if R and not self.use_nope:
       if positions is None:
         positions = (jnp.broadcast_to(jnp.arange(T), (B, T))
@@ -188,24 +290,47 @@ class MultiHeadLatentAttention(hk.Module):
                      segments.positions_from_segment_ids(segment_ids))
       q_rope_BTHR = rope.apply_rope(q_rope_BTHR, positions, self.rope_theta)
       k_rope_BT1R = rope.apply_rope(k_rope_BT1R, positions, self.rope_theta)
-    q_BTHK = jnp.concatenate([q_nope_BTHZ, q_rope_BTHR], axis=-1)
-    k_BTHK = jnp.concatenate(
-        [k_nope_BTHZ, jnp.broadcast_to(k_rope_BT1R, (B, T, H, R))], axis=-1)
+    scale = (N + R) ** -0.5
+    if cache is not None:
+      with hk.name_scope("kv_b_proj"):
+        w_CHX = hk.get_parameter(
+            "w", [C, H * (N + E)], self.param_dtype,
+            init=hk.initializers.TruncatedNormal(C ** -0.5))
+      o_BHE, new_cache = _decode_attend(
+          q_nope_BTHN[:, 0], q_rope_BTHR[:, 0], c_kv_BTC[:, 0],
+          k_rope_BT1R[:, 0, 0], cache, w_CHX.reshape(C, H, N + E), scale)
+      return (_output(x, o_BHE[:, None], None, dense, self.output_gate),
+              new_cache)
+    kv_BTHX = dense(H * (N + E), "kv_b_proj")(c_kv_BTC).reshape(
+        B, T, H, N + E)
+    k_nope_BTHN, v_BTHE = kv_BTHX[..., :N], kv_BTHX[..., N:]
+    q_BTHP = jnp.concatenate([q_nope_BTHN, q_rope_BTHR], axis=-1)
+    k_BTHP = jnp.concatenate(
+        [k_nope_BTHN, jnp.broadcast_to(k_rope_BT1R, (B, T, H, R))], axis=-1)
 
     if segment_ids is None:
       piece_BT = valid_BT = None
     else:
       piece_BT, valid_BT = segments.piece_ids(segment_ids), segment_ids != 0
-    o_BTHV = _attend(q_BTHK, k_BTHK, v_BTHV, piece_BT, valid_BT,
-                     scale=(Z + R) ** -0.5, q_block=self.q_block)
-    if segment_ids is not None:
-      o_BTHV = jnp.where((segment_ids != 0)[:, :, None, None], o_BTHV, 0.0)
-    if self.output_gate:
-      gate_BTH = jax.nn.sigmoid(
-          dense(H, "g_proj")(x).astype(jnp.float32))
-      o_BTHV = o_BTHV * gate_BTH[..., None]
-    o_BTHV = o_BTHV.astype(x.dtype)
-    return dense(D, "o_proj")(o_BTHV.reshape(B, T, H * V))
+    if T <= self.q_block:
+      o_BTHE = _attend_block(q_BTHP, k_BTHP, v_BTHE, piece_BT, valid_BT,
+                             start=0, scale=scale)
+    else:
+      # Causal query blocks: block [a, b) only reads keys [0, b), and its
+      # scores are recomputed in the backward pass instead of stored.
+      outs = []
+      for start in range(0, T, self.q_block):
+        stop = min(start + self.q_block, T)
+        attend = jax.checkpoint(functools.partial(
+            _attend_block, start=start, scale=scale))
+        outs.append(attend(q_BTHP[:, start:stop], k_BTHP[:, :stop],
+                           v_BTHE[:, :stop], piece_BT, valid_BT))
+      o_BTHE = jnp.concatenate(outs, axis=1)
+    y = _output(x, o_BTHE, segment_ids, dense, self.output_gate)
+    if max_len is None:
+      return y
+    return y, prefill_cache(c_kv_BTC, k_rope_BT1R[:, :, 0], segment_ids,
+                            max_len)
 
 
 def check_dims(*, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
@@ -237,10 +362,10 @@ def param_count(d_model: int, num_heads: int, *, q_lora_rank: int,
                 qk_rope_head_dim: int, v_head_dim: int,
                 output_gate: bool) -> int:
   """Parameters of one MLA layer, by shape arithmetic (for tests)."""
-  D, H, Z, R = d_model, num_heads, qk_nope_head_dim, qk_rope_head_dim
-  V, Q, L = v_head_dim, q_lora_rank, kv_lora_rank
-  n = (D * Q + Q + Q * H * (Z + R)) if Q else D * H * (Z + R)
-  n += D * (L + R) + L + L * H * (Z + V) + H * V * D
+  D, H, N, R = d_model, num_heads, qk_nope_head_dim, qk_rope_head_dim
+  E, Q, C = v_head_dim, q_lora_rank, kv_lora_rank
+  n = (D * Q + Q + Q * H * (N + R)) if Q else D * H * (N + R)
+  n += D * (C + R) + C + C * H * (N + E) + H * E * D
   if output_gate:
     n += D * H
   return int(n)

@@ -1,0 +1,179 @@
+"""Tests of kda_lm.decoding: cached decoding equals the full forward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kda_lm import config as config_lib
+from kda_lm import decoding
+from kda_lm import model as model_lib
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+RTOL = 1e-5
+
+
+def tiny_config(**overrides):
+  """A KKKM MoE model small enough to compile fast; chunk size 16."""
+  values = dict(
+      vocab_size=32, d_model=32, attention_pattern="KKKM", num_heads=2,
+      head_dim=8, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+      v_head_dim=8, mlp_hidden_dim=32, mla_output_gate=True, num_experts=4,
+      num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=16,
+      first_k_dense_replace=1, routed_scaling_factor=2.5, kda_impl="xla",
+      kda_chunk_size=16)
+  values.update(overrides)
+  return config_lib.ModelConfig(**values)
+
+
+def init_params(cfg, seed=0):
+  params = model_lib.build(cfg).init(jax.random.key(seed),
+                                     jnp.zeros((1, 8), jnp.int32))
+  # Non-zero A_log / biases are the defaults; nudge MoE selection biases so
+  # routing is not tied.
+  return params
+
+
+def rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def cached_logits(decoder, params, tokens, p):
+  """Logits at positions p-1 .. T-1 from a prefill of p and T-p steps."""
+  logits, cache = decoder.prefill(params, tokens[:, :p])
+  out = [logits[:, -1]]
+  for t in range(p, tokens.shape[1]):
+    step_logits, cache = decoder.step(params, tokens[:, t], cache)
+    out.append(step_logits)
+  return jnp.stack(out, axis=1), logits
+
+
+# (config overrides, prompt lengths p): the default KKKM MoE model at p = 1,
+# a non-multiple and a multiple of the chunk size (16); smaller stacks for
+# the other variants.
+CASES = {
+    "default": ({}, (1, 21, 32)),
+    "kimi": (dict(kda_gate="kimi", attention_pattern="KM"), (21,)),
+    "nope": (dict(use_nope=True, attention_pattern="KM"), (21,)),
+    "mla_q_lora": (dict(attention_pattern="MK", q_lora_rank=8), (32,)),
+}
+N_STEPS = 4
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_prefill_then_steps_equals_full_forward(case):
+  overrides, prompt_lengths = CASES[case]
+  cfg = tiny_config(**overrides)
+  params = init_params(cfg)
+  T = max(prompt_lengths) + N_STEPS
+  tokens = jax.random.randint(jax.random.key(1), (2, T), 0, cfg.vocab_size)
+  full = model_lib.build(cfg).apply(params, tokens)
+  decoder = decoding.Decoder(cfg, max_len=T + 3)
+  for p in prompt_lengths:
+    got, prefill_logits = cached_logits(decoder, params,
+                                        tokens[:, :p + N_STEPS], p)
+    assert rel_err(prefill_logits, full[:, :p]) < RTOL, p
+    assert rel_err(got, full[:, p - 1:p + N_STEPS]) < RTOL, p
+
+
+def test_batch_of_different_lengths_decodes_each_row_as_alone():
+  cfg = tiny_config(attention_pattern="KM")
+  params = init_params(cfg)
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, 32, size=n).tolist() for n in (5, 19, 1)]
+  decoder = decoding.Decoder(cfg, max_len=32)
+  batch = decoding.generate(decoder, params, prompts, max_new_tokens=6)
+  tokens, segment_ids = decoding.left_pad(prompts)
+  logits, cache = decoder.prefill(params, tokens, segment_ids)
+  steps = [logits[:, -1]]
+  for t in range(3):
+    step_logits, cache = decoder.step(
+        params, jnp.asarray([batch[b][t] for b in range(3)]), cache)
+    steps.append(step_logits)
+  for b, prompt in enumerate(prompts):
+    alone = decoding.generate(decoder, params, [prompt], max_new_tokens=6)
+    assert alone[0] == batch[b]
+    a_logits, a_cache = decoder.prefill(params, np.asarray([prompt]))
+    a_steps = [a_logits[:, -1]]
+    for t in range(3):
+      s, a_cache = decoder.step(params, jnp.asarray([batch[b][t]]), a_cache)
+      a_steps.append(s)
+    for got, want in zip(steps, a_steps, strict=True):
+      assert rel_err(got[b], want[0]) < RTOL
+
+
+def test_cache_sizes():
+  cfg = tiny_config(attention_pattern="KMKM")
+  short = decoding.abstract_cache(cfg, 2, 3, max_len=40)
+  long = decoding.abstract_cache(cfg, 2, 30, max_len=40)
+  bigger = decoding.abstract_cache(cfg, 2, 30, max_len=41)
+  assert decoding.cache_bytes(short) == decoding.cache_bytes(long)
+  kda_sizes = [jax.tree.map(lambda a: a.shape, c) for c in (short, bigger)]
+  assert kda_sizes[0][0] == kda_sizes[1][0]
+  grow = decoding.cache_bytes(bigger)["mla"] - decoding.cache_bytes(
+      long)["mla"]
+  per_value = 4  # float32
+  assert grow == 2 * 2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * (
+      per_value)
+  assert decoding.cache_bytes(bigger)["kda"] == decoding.cache_bytes(
+      long)["kda"]
+  state = short[0].state
+  assert state.shape == (2, cfg.num_heads, cfg.head_dim, cfg.kda_head_v_dim)
+  assert state.dtype == jnp.float32
+
+
+def test_sampling_options():
+  logits = jnp.asarray([[0.0, 5.0, 1.0, 4.9]])
+  greedy = decoding.sample_logits(logits, jax.random.key(0))
+  assert int(greedy[0]) == 1
+  picks = {int(decoding.sample_logits(logits, jax.random.key(s),
+                                      temperature=1.0, top_k=2)[0])
+           for s in range(50)}
+  assert picks == {1, 3}
+  picks = {int(decoding.sample_logits(logits, jax.random.key(s),
+                                      temperature=1.0, top_p=0.3)[0])
+           for s in range(20)}
+  assert picks == {1}
+  picks = {int(decoding.sample_logits(logits, jax.random.key(s),
+                                      temperature=2.0)[0])
+           for s in range(200)}
+  assert picks == {0, 1, 2, 3}
+  with pytest.raises(ValueError, match="Unknown sampling option 'topk'"):
+    decoding.SamplingConfig.from_options(topk=3)
+  for bad in (dict(temperature=-1.0), dict(top_k=-2), dict(top_p=0.0),
+              dict(top_p=1.5), dict(temperature=float("nan"))):
+    with pytest.raises(ValueError):
+      decoding.SamplingConfig(**bad)
+
+
+def test_generate_stops_and_rejects_bad_input():
+  cfg = tiny_config(attention_pattern="KM", num_experts=0)
+  params = init_params(cfg)
+  decoder = decoding.Decoder(cfg, max_len=16)
+  first = decoding.generate(decoder, params, [[1, 2, 3]], max_new_tokens=8)
+  assert len(first[0]) == 8
+  end = first[0][2]
+  stopped = decoding.generate(decoder, params, [[1, 2, 3]],
+                              max_new_tokens=8, end_token=end)
+  assert stopped[0] == first[0][:first[0].index(end)]
+  same = decoding.generate(
+      decoder, params, [[1, 2, 3]], max_new_tokens=8,
+      sampling=decoding.SamplingConfig(temperature=1.0, seed=3))
+  again = decoding.generate(
+      decoder, params, [[1, 2, 3]], max_new_tokens=8,
+      sampling=decoding.SamplingConfig(temperature=1.0, seed=3))
+  assert same == again
+  with pytest.raises(ValueError, match="more than max_len"):
+    decoder.prefill(params, np.zeros((1, 17), np.int32))
+  with pytest.raises(ValueError, match="exceeds max_len"):
+    decoding.generate(decoder, params, [[1] * 10], max_new_tokens=8)
+  with pytest.raises(ValueError, match="outside the model vocabulary"):
+    decoding.generate(decoder, params, [[1, 40]], max_new_tokens=2)
+  with pytest.raises(ValueError, match="top_k"):
+    decoding.generate(decoder, params, [[1]], max_new_tokens=2,
+                      sampling=decoding.SamplingConfig(temperature=1.0,
+                                                       top_k=99))
+  with pytest.raises(ValueError, match="empty"):
+    decoding.generate(decoder, params, [[1], []], max_new_tokens=2)
