@@ -36,8 +36,10 @@ HISTORY_FILE = "config_history.jsonl"
 # starts a fresh stream under the new settings.
 MEANING_KEYS = ("model.", "data.")
 # Keys inside those sections that may change on resume without changing the
-# meaning of the saved state (where the data lives, kernel choice).
-SAFE_KEYS = ("data.data_dir", "model.kda_impl")
+# meaning of the saved state (where the data lives, kernel choice and
+# settings, the activations' dtype).
+SAFE_KEYS = ("data.data_dir", "model.kda_impl", "model.kda_chunk_size",
+             "model.compute_dtype")
 
 
 class WorkdirLockedError(RuntimeError):
