@@ -82,6 +82,12 @@ class DataConfig:
                                    metadata=config_lib.NOT_A_KEY)
 
   def __post_init__(self):
+    if self.seq_len < 2:
+      raise ValueError(f"config.data.seq_len must be >= 2 (an input and a "
+                       f"target), got {self.seq_len}.")
+    if self.batch_size < 1:
+      raise ValueError(f"config.data.batch_size must be >= 1, got "
+                       f"{self.batch_size}.")
     if self.name not in DATASETS:
       raise ValueError(f"Unknown dataset name {self.name!r}; known: "
                        f"{tuple(DATASETS)}.")
@@ -423,14 +429,36 @@ def _pad_batch(batch: dict[str, tf.Tensor], size: int
           for key, value in batch.items()}
 
 
+def _cap_eval_batches(dataset: tf.data.Dataset, num_batches: int,
+                      process_count: int) -> int:
+  """`num_batches`, or fewer when the split has fewer (one process)."""
+  available = int(dataset.take(num_batches).reduce(
+      np.int64(0), lambda count, _: count + 1))
+  if available >= num_batches:
+    return num_batches
+  if process_count > 1:
+    logging.warning(
+        "config.eval.num_batches is %d but this process's validation shard "
+        "has %d batches: padding with empty batches so that every process "
+        "runs the same number of eval steps.", num_batches, available)
+    return num_batches
+  logging.warning("config.eval.num_batches is %d but the validation split "
+                  "has only %d batches: evaluating those.", num_batches,
+                  available)
+  return available
+
+
 def make_eval_iterator(config: Any, *, num_batches: int | None = None,
                        **kwargs) -> EvalIterable:
   """Returns the finite, deterministic, packed validation stream.
 
   Args:
     config: `config.data`.
-    num_batches: if set, exactly this many batches: the stream is cut, or
-      padded with empty batches (all zeros, `loss_mask` 0).
+    num_batches: if set, at most this many batches. When the validation
+      split has fewer, a one-process run evaluates the batches that exist
+      (and says so once); with several processes the shorter streams are
+      padded with empty batches (all zeros, `loss_mask` 0), so that every
+      process runs the same number of eval steps.
     **kwargs: as for `make_train_iterator`.
 
   Returns:
@@ -445,6 +473,7 @@ def make_eval_iterator(config: Any, *, num_batches: int | None = None,
   size = s.local_batch
   dataset = s.rows.batch(size).map(lambda b: _pad_batch(b, size))
   if num_batches is not None:
+    num_batches = _cap_eval_batches(dataset, num_batches, s.process_count)
     empty = {key: tf.zeros([size, s.seq_len], dtype)
              for key, dtype in packing.FEATURES.items()}
     dataset = dataset.concatenate(

@@ -31,6 +31,7 @@ import os
 import sysconfig
 from typing import Any
 
+from absl import logging
 import numpy as np
 import tensorflow_datasets as tfds
 
@@ -88,6 +89,34 @@ def list_files(pattern: str, *, exclude_installed: bool = False
   files = [(path, os.path.relpath(path, root) if root else path)
            for path in paths if os.path.isfile(path)]
   return sorted(files, key=lambda f: f[1])
+
+
+def document_files(pattern: str, *, exclude_installed: bool = False
+                   ) -> list[tuple[str, str]]:
+  """The non-empty files matching a glob, one document each.
+
+  Args:
+    pattern: glob, as for `list_files`.
+    exclude_installed: as for `list_files`.
+
+  Returns:
+    Sorted `(path, relpath)` pairs of the files with at least one byte.
+
+  Raises:
+    ValueError: the glob matches no file, or only empty files.
+  """
+  files = list_files(pattern, exclude_installed=exclude_installed)
+  if not files:
+    raise ValueError(f"text_files: the glob {pattern!r} matched no files.")
+  documents = [f for f in files if os.path.getsize(f[0]) > 0]
+  if not documents:
+    raise ValueError(
+        f"text_files: every matched file is empty ({len(files)} files match "
+        f"{pattern!r}): there is no text to train on.")
+  if len(documents) < len(files):
+    logging.info("text_files: skipping %d empty files of %d matching %r.",
+                 len(files) - len(documents), len(files), pattern)
+  return documents
 
 
 def split_files(files: list[tuple[str, str]], validation_percent: int
@@ -170,14 +199,13 @@ def make_config(*, glob: str | None = None,
     A `TextFilesConfig`.
 
   Raises:
-    ValueError: the glob matches fewer than 2 files, or a bad percentage.
+    ValueError: the glob matches fewer than 2 non-empty files, or a bad
+      percentage.
   """
   Settings(glob=glob or "", validation_percent=validation_percent)
   exclude_installed = not glob
   pattern = os.path.expanduser(glob) if glob else default_glob()
-  files = list_files(pattern, exclude_installed=exclude_installed)
-  if not files:
-    raise ValueError(f"text_files: the glob {pattern!r} matched no files.")
+  files = document_files(pattern, exclude_installed=exclude_installed)
   split_files(files, validation_percent)  # Fails early on a single file.
   digest = hashlib.sha256(f"{pattern}\0{exclude_installed}".encode("utf-8"))
   for path, relpath in files:
@@ -206,9 +234,8 @@ class TextFiles(builders.LocalBuilder):
     del dl_manager  # Nothing is downloaded.
     config = self.builder_config
     pattern = config.glob or default_glob()
-    files = list_files(pattern, exclude_installed=config.exclude_installed)
-    if not files:
-      raise ValueError(f"text_files: the glob {pattern!r} matched no files.")
+    files = document_files(pattern,
+                           exclude_installed=config.exclude_installed)
     splits = split_files(files, config.validation_percent)
     return {split: self._generate_examples(splits[split]) for split in SPLITS}
 

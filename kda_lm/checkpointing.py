@@ -7,7 +7,14 @@ This is the only module of kda-lm that imports Orbax. A checkpoint of step
   written asynchronously by Orbax's `StandardCheckpointHandler`;
 * `data`: the position of the training data iterator (a `tf.train.Checkpoint`
   of the tf.data iterator, one file set per process), written synchronously
-  at the moment of the save by a small custom handler.
+  at the moment of the save by a small custom handler;
+* `config`: the run's config as JSON, so a resume can tell whether it is
+  about to continue the same run (`kda_lm.workdir.check_resume`).
+
+Once a step is complete, a manifest (`manifest.json` in the step's
+directory: the size and SHA-256 of every file) is written beside it, and a
+restore verifies it: a step whose bytes changed on disk is moved aside with
+one clear line, and the previous complete step is restored instead.
 
 Orbax writes a step into a temporary directory and renames it when every item
 is complete, so a process killed mid-save leaves a
@@ -15,7 +22,9 @@ is complete, so a process killed mid-save leaves a
 `<s>`. `CheckpointManager.restore` skips such leftovers (and any finalized step
 that fails to read) with a warning in favour of the newest complete step, and
 refuses a checkpoint whose parameters do not match the model with an
-`IncompatibleCheckpointError` naming the parameter.
+`IncompatibleCheckpointError` naming the parameter. A failed asynchronous save
+(a full disk, lost permissions) is raised by `check_for_errors` (called every
+step) as a `CheckpointSaveError` naming the step's path and the OS reason.
 
 Usage:
 
@@ -30,6 +39,8 @@ Usage:
 """
 
 import dataclasses
+import hashlib
+import json
 import os
 import re
 import time
@@ -45,11 +56,99 @@ STATE_ITEM = "state"
 DATA_ITEM = "data"
 # What `_attempt` returns for a step it skipped.
 _FAILED = object()
+CONFIG_ITEM = "config"
+MANIFEST_FILE = "manifest.json"
 _TMP_PATTERN = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 
 
 class IncompatibleCheckpointError(ValueError):
   """A checkpoint does not match the model being trained."""
+
+
+class CheckpointSaveError(OSError):
+  """An asynchronous checkpoint save failed."""
+
+
+class CorruptCheckpointError(ValueError):
+  """A checkpoint's files do not match the manifest written with it."""
+
+
+def _sha256(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def _step_files(step_dir: str) -> dict[str, str]:
+  """Maps relative paths to absolute paths of a step's files (no manifest)."""
+  files = {}
+  for root, _, names in os.walk(step_dir):
+    for name in names:
+      path = os.path.join(root, name)
+      rel = os.path.relpath(path, step_dir)
+      if rel != MANIFEST_FILE:
+        files[rel] = path
+  return files
+
+
+def write_manifest(step_dir: str) -> None:
+  """Writes `manifest.json`: size and SHA-256 of every file of a step."""
+  entries = {rel: {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+             for rel, path in sorted(_step_files(step_dir).items())}
+  path = os.path.join(step_dir, MANIFEST_FILE)
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump({"files": entries}, f, indent=1, sort_keys=True)
+  os.replace(path + ".tmp", path)
+
+
+def verify_manifest(step_dir: str) -> bool:
+  """Checks a step's files against its manifest.
+
+  Args:
+    step_dir: the step's directory.
+
+  Returns:
+    True if verified; False if the step has no manifest (a process stopped
+    between the end of the save and the manifest).
+
+  Raises:
+    CorruptCheckpointError: a file is missing, extra, or differs in size or
+      checksum; the message names the first such file.
+  """
+  path = os.path.join(step_dir, MANIFEST_FILE)
+  if not os.path.exists(path):
+    return False
+  with open(path, encoding="utf-8") as f:
+    expected = json.load(f)["files"]
+  found = _step_files(step_dir)
+  for rel in sorted(set(expected) | set(found)):
+    if rel not in found:
+      raise CorruptCheckpointError(f"{rel} is missing")
+    if rel not in expected:
+      raise CorruptCheckpointError(f"{rel} is not in the manifest")
+    size = os.path.getsize(found[rel])
+    if size != expected[rel]["bytes"]:
+      raise CorruptCheckpointError(
+          f"{rel} has {size} bytes, the manifest says "
+          f"{expected[rel]['bytes']}")
+    if _sha256(found[rel]) != expected[rel]["sha256"]:
+      raise CorruptCheckpointError(
+          f"{rel} does not match its SHA-256 in the manifest (its bytes "
+          "changed after the save)")
+  return True
+
+
+def _root_cause(error: BaseException) -> BaseException:
+  """The innermost OSError in an exception's cause/context chain, if any."""
+  found, seen = error, set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError):
+      found = error
+    error = error.__cause__ or error.__context__
+  return found
 
 
 class SavableIterator(Protocol):
@@ -173,8 +272,10 @@ class CheckpointManager:
         item_handlers={
             STATE_ITEM: ocp.StandardCheckpointHandler(),
             DATA_ITEM: DataIteratorHandler(),
+            CONFIG_ITEM: ocp.JsonCheckpointHandler(),
         },
     )
+    self._saving: int | None = None
 
   def _warn_about_partial_saves(self) -> None:
     if not os.path.isdir(self.directory):
@@ -197,17 +298,26 @@ class CheckpointManager:
     return steps[-1] if steps else None
 
   def save(self, step: int, state: Any,
-           data_iterator: SavableIterator | None = None) -> bool:
-    """Starts saving `state` (and the iterator position) as `step`.
+           data_iterator: SavableIterator | None = None,
+           config: dict[str, Any] | None = None) -> bool:
+    """Starts saving `state` (and the iterator position, and the config).
+
+    The previous save is finished first (its manifest written, its errors
+    raised).
 
     Args:
       step: the step number (the directory name).
       state: the `TrainState` pytree.
       data_iterator: optional iterator with `save(dir)`/`restore(dir)`.
+      config: optional JSON-able config the state was trained with.
 
     Returns:
       Whether a save was started (False when `step` already exists).
+
+    Raises:
+      CheckpointSaveError: the previous asynchronous save failed.
     """
+    self._finish_pending()
     step = int(step)
     if step in self._manager.all_steps():
       logging.info("Checkpoint of step %d already exists; not saving.", step)
@@ -215,12 +325,59 @@ class CheckpointManager:
     items = {STATE_ITEM: ocp.args.StandardSave(state)}
     if data_iterator is not None:
       items[DATA_ITEM] = DataIteratorArgs(data_iterator)
+    if config is not None:
+      items[CONFIG_ITEM] = ocp.args.JsonSave(config)
     start = time.time()
-    saved = self._manager.save(step, args=ocp.args.Composite(**items),
-                               force=True)
+    try:
+      saved = self._manager.save(step, args=ocp.args.Composite(**items),
+                                 force=True)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      raise self._save_error(step, e) from e
     logging.info("Saving checkpoint of step %d to %s (%.2f s blocking).",
                  step, self.directory, time.time() - start)
+    if saved:
+      self._saving = step
     return bool(saved)
+
+  def _save_error(self, step: int | None, error: BaseException
+                  ) -> CheckpointSaveError:
+    cause = _root_cause(error)
+    where = self.directory if step is None else os.path.join(
+        self.directory, str(step))
+    return CheckpointSaveError(
+        f"Saving the checkpoint {where} failed: {type(cause).__name__}: "
+        f"{cause}. Training stopped; the last complete checkpoint in "
+        f"{self.directory} is intact (steps {self.all_steps()}).")
+
+  def check_for_errors(self) -> None:
+    """Raises `CheckpointSaveError` if a background save has failed."""
+    try:
+      self._manager.check_for_errors()
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      raise self._save_error(self._saving, e) from e
+
+  def _finish_pending(self) -> None:
+    """Waits for the pending save and writes its manifest (process 0)."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      raise self._save_error(self._saving, e) from e
+    step, self._saving = self._saving, None
+    if step is None or jax.process_index() != 0:
+      return
+    step_dir = os.path.join(self.directory, str(step))
+    if os.path.isdir(step_dir):
+      write_manifest(step_dir)
+
+  def saved_config(self, step: int) -> dict[str, Any] | None:
+    """The config saved with `step` (None for a checkpoint without one)."""
+    path = os.path.join(self.directory, str(step), CONFIG_ITEM)
+    if not os.path.isdir(path):
+      return None
+    restored = self._manager.restore(
+        step, args=ocp.args.Composite(
+            **{CONFIG_ITEM: ocp.args.JsonRestore()}))
+    return restored[CONFIG_ITEM]
 
   def _saved_params(self, step: int) -> Any:
     metadata = self._manager.item_metadata(step)
@@ -245,6 +402,14 @@ class CheckpointManager:
                       source, e)
     self._manager.reload()
 
+  def _verified_params(self, step: int) -> Any:
+    """The step's parameter metadata, once its files match its manifest."""
+    where = os.path.join(self.directory, str(step))
+    if not verify_manifest(where):
+      logging.warning("Checkpoint %s has no manifest (the process stopped "
+                      "right after saving it): not verified.", where)
+    return self._saved_params(step)
+
   def _attempt(self, strict: bool, candidate: int, what: str,
                fn: Callable[..., Any], *args, **kwargs) -> Any:
     """`fn(*args, **kwargs)`; on an error (unless `strict`, which re-raises)
@@ -261,11 +426,14 @@ class CheckpointManager:
 
   def restore(self, abstract_state: Any,
               data_iterator: SavableIterator | None = None,
-              *, step: int | None = None) -> Any | None:
+              *, step: int | None = None,
+              on_config: Callable[[int, dict[str, Any] | None], bool]
+              | None = None) -> Any | None:
     """Restores the newest complete checkpoint onto `abstract_state`.
 
-    Complete steps are tried newest first; a step that cannot be read (a
-    corrupt or truncated checkpoint) is skipped with a warning.
+    Complete steps are tried newest first; a step that cannot be read, or
+    whose files do not match its manifest (a corrupt or truncated
+    checkpoint), is moved aside with a warning.
 
     Args:
       abstract_state: the target's structure, e.g.
@@ -274,6 +442,9 @@ class CheckpointManager:
       data_iterator: the iterator to move to the saved position (None: the
         data item is not restored).
       step: restore exactly this step (no fallback).
+      on_config: called with the chosen step and its saved config (None if
+        it has none) before anything is restored; may raise to refuse the
+        resume; returns whether to restore the data iterator's position.
 
     Returns:
       The restored state, or None when there is no complete checkpoint.
@@ -293,13 +464,16 @@ class CheckpointManager:
     for candidate in reversed(steps):
       where = f"{self.directory}/{candidate}"
       saved_params = self._attempt(
-          step is not None, candidate, "cannot read its metadata",
-          self._saved_params, candidate)
+          step is not None, candidate, "it is unreadable or damaged",
+          self._verified_params, candidate)
       if saved_params is _FAILED:
         continue
       check_compatible(saved_params, abstract_state.params, where=where)
+      restore_data = True
+      if on_config is not None:
+        restore_data = on_config(candidate, self.saved_config(candidate))
       items = {STATE_ITEM: ocp.args.StandardRestore(abstract_state)}
-      if data_iterator is not None:
+      if data_iterator is not None and restore_data:
         items[DATA_ITEM] = DataIteratorArgs(data_iterator)
       restored = self._attempt(
           step is not None, candidate, "restoring it failed",
@@ -311,10 +485,12 @@ class CheckpointManager:
     return None
 
   def wait_until_finished(self) -> None:
-    """Blocks until pending asynchronous saves are written."""
-    self._manager.wait_until_finished()
+    """Blocks until pending asynchronous saves are written (and verified)."""
+    self._finish_pending()
 
   def close(self) -> None:
     """Waits for pending saves and releases the manager."""
-    self._manager.wait_until_finished()
-    self._manager.close()
+    try:
+      self._finish_pending()
+    finally:
+      self._manager.close()

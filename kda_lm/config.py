@@ -365,6 +365,11 @@ class TrainConfig:
   tensorboard: bool = False
   # Progress bar: None = on a terminal only, True/False = always/never.
   progress_bar: Optional[bool] = None
+  # Resume even though model or data keys differ from the checkpoint's
+  # config (the new values take effect: the data stream restarts under
+  # them; config_history.jsonl records the change). Off: such a resume is
+  # refused, listing `key: saved -> given`.
+  allow_config_change: bool = False
 
   def __post_init__(self):
     for name in ("num_steps", "log_every"):

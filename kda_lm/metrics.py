@@ -60,8 +60,29 @@ def _clean(value: Any) -> Any:
   return value
 
 
+def _parse_lines(path: str) -> tuple[list[dict[str, Any]], int]:
+  """Parses a metrics file; returns (rows, number of unreadable lines)."""
+  rows, bad = [], 0
+  with open(path, encoding="utf-8", errors="replace") as f:
+    for line in f:
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        row = None
+      if isinstance(row, dict) and line.endswith("\n"):
+        rows.append(row)
+      else:
+        bad += 1
+  return rows, bad
+
+
 def read_metrics(path: str) -> list[dict[str, Any]]:
   """Reads a `metrics.jsonl` file (or the one in a workdir).
+
+  A torn line (a write cut short by a kill or a full disk) is skipped with
+  a warning naming the file.
 
   Args:
     path: the file, or a workdir containing `metrics.jsonl`.
@@ -73,8 +94,11 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     path = os.path.join(path, METRICS_FILE)
   if not os.path.exists(path):
     return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  rows, bad = _parse_lines(path)
+  if bad:
+    logging.warning("Skipping %d torn or unreadable line(s) of %s.", bad,
+                    path)
+  return rows
 
 
 def first_reaching(rows: list[dict[str, Any]], target: float,
@@ -124,16 +148,20 @@ class MetricsWriter:
     """Drops rows with `step > step` (rows logged after the resumed checkpoint).
 
     A run that resumes from the checkpoint of `step` recomputes the later
-    steps, so their old rows would otherwise appear twice.
+    steps, so their old rows would otherwise appear twice. A torn line (a
+    write cut short by a kill or a full disk) is dropped too, with a warning.
 
     Args:
       step: the step training resumes from.
     """
     if not self.enabled or not os.path.exists(self.path):
       return
-    rows = read_metrics(self.path)
+    rows, bad = _parse_lines(self.path)
     kept = [row for row in rows if row.get("step", 0) <= step]
-    if len(kept) == len(rows):
+    if bad:
+      logging.warning("Dropping %d torn or unreadable line(s) from %s.",
+                      bad, self.path)
+    if len(kept) == len(rows) and not bad:
       return
     logging.info("Dropping %d rows after step %d from %s.",
                  len(rows) - len(kept), step, self.path)
@@ -154,8 +182,14 @@ class MetricsWriter:
       return
     row = {"step": int(step)}
     row.update({k: _clean(v) for k, v in scalars.items()})
-    with open(self.path, "a") as f:
-      f.write(json.dumps(row) + "\n")
+    line = (json.dumps(row) + "\n").encode("utf-8")
+    # One write(2) per row on an O_APPEND file: rows are never interleaved,
+    # and a kill leaves at most one torn last line (dropped on resume).
+    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+      os.write(fd, line)
+    finally:
+      os.close(fd)
     if self._tb is not None:
       for key, value in row.items():
         if key != "step" and isinstance(value, (int, float)):

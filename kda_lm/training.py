@@ -37,6 +37,7 @@ step before any checkpoint of that step is written.
 """
 
 import contextlib
+import json
 import os
 import time
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
@@ -54,6 +55,7 @@ from kda_lm import checkpointing, distributed, losses, optimizer, sharding
 from kda_lm import config as config_lib
 from kda_lm import metrics as metrics_lib
 from kda_lm import model as model_lib
+from kda_lm import workdir as workdir_lib
 from kda_lm.layers import moe
 
 Batch = Mapping[str, jax.Array]
@@ -345,13 +347,6 @@ def _non_finite_error(step: int, values: Mapping[str, float],
       f"config.opt.clip_norm.")
 
 
-def _write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  path = os.path.join(workdir, "config.json")
-  with open(path + ".tmp", "w") as f:
-    f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-  os.replace(path + ".tmp", path)
-
-
 # ---------------------------------------------------------------------------
 # The run.
 
@@ -364,11 +359,10 @@ class _Run:
                workdir: str, start_time: float):
     self.cfg = cfg
     self.start_time = start_time
-    workdir = os.path.abspath(os.path.expanduser(workdir))
+    self.workdir = workdir = os.path.abspath(os.path.expanduser(workdir))
+    # Plain JSON values: saved with every checkpoint, compared on resume.
+    self.config_json = json.loads(config.to_json_best_effort())
     is_main = distributed.is_main_process()
-    if is_main:
-      os.makedirs(workdir, exist_ok=True)
-      _write_config(config, workdir)
     logging.info("Workdir %s; %d devices (%s), %d processes.", workdir,
                  jax.device_count(), jax.devices()[0].platform,
                  jax.process_count())
@@ -432,10 +426,31 @@ class _Run:
         in_shardings=(self.shardings.params, self.batch_sharding),
         out_shardings=replicated)
 
+  def _check_resume(self, step: int, saved: dict[str, Any] | None) -> bool:
+    """Compares the checkpoint's config with this run's (see `workdir`).
+
+    Returns:
+      Whether to restore the data iterator's position: False when an
+      allowed change of the data keys restarts the stream under them.
+    """
+    if saved is None:
+      logging.warning("The checkpoint of step %d records no config: cannot "
+                      "check that this run continues the same one.", step)
+      self.config_changes = []
+      return True
+    self.config_changes = workdir_lib.check_resume(
+        saved, self.config_json, step=step,
+        allow_change=self.cfg.train.allow_config_change)
+    return not any(c.key.startswith("data.") for c in self.config_changes)
+
   def restore_or_init(self) -> TrainState:
     """The newest complete checkpoint's state, else a fresh one."""
     manager = self.manager
-    state = manager.restore(self.abstract, self.train_it) if manager else None
+    self.config_changes = []
+    state = None
+    if manager:
+      state = manager.restore(self.abstract, self.train_it,
+                              on_config=self._check_resume)
     if state is not None:
       self.start_step = int(jax.device_get(state.step))
       logging.info("Resuming from the checkpoint of step %d in %s.",
@@ -445,6 +460,10 @@ class _Run:
         logging.info("No checkpoint in %s: starting from scratch.",
                      manager.directory)
       state = self.init(self.rng)
+    if self.is_main:
+      workdir_lib.write_config(self.workdir, self.config_json,
+                               step=self.start_step,
+                               changes=self.config_changes)
     self.writer.truncate_after(self.start_step)
     num_steps = self.cfg.train.num_steps
     if self.start_step >= num_steps:
@@ -486,8 +505,8 @@ class _Run:
     return True
 
   def checkpoint(self, step: int, state: TrainState) -> None:
-    if self.manager is not None and self.manager.save(step, state,
-                                                      self.train_it):
+    if self.manager is not None and self.manager.save(
+        step, state, self.train_it, config=self.config_json):
       self.last_checkpoint = step
 
   def finish(self, state: TrainState) -> None:
@@ -511,6 +530,8 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
   num_steps = cfg.train.num_steps
   window = _Window(cfg.data.batch_size * cfg.data.seq_len)
   for step in range(run.start_step + 1, num_steps + 1):
+    if run.manager is not None:
+      run.manager.check_for_errors()   # A failed background save stops here.
     batch = next(run.train_it)
     check_batch(batch, cfg.model.vocab_size, f"the batch of step {step}")
     state, step_metrics = run.update(
@@ -555,17 +576,27 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
 
   Raises:
     ValueError: a bad config, an incompatible checkpoint
-      (`checkpointing.IncompatibleCheckpointError`), or token ids outside the
-      model vocabulary.
+      (`checkpointing.IncompatibleCheckpointError`), a checkpoint trained
+      with different model or data settings
+      (`workdir.ConfigChangedError`; see `config.train.allow_config_change`),
+      or token ids outside the model vocabulary.
     FloatingPointError: a non-finite loss, gradient or update.
+    workdir.WorkdirLockedError: another live process trains in `workdir`.
+    checkpointing.CheckpointSaveError: a checkpoint could not be written.
   """
   start_time = time.time()
   # First: the config checks already touch the backend (impl="auto").
   distributed.initialize(config.get("mesh"))
   run_config = check_config(config)
-  run = _Run(config, run_config, workdir, start_time)
-  try:
-    state = run.restore_or_init()
-    return _train_loop(run, state)
-  finally:
-    run.close()
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  lock = contextlib.nullcontext()
+  if distributed.is_main_process():
+    os.makedirs(workdir, exist_ok=True)
+    lock = workdir_lib.WorkdirLock(workdir)
+  with lock:
+    run = _Run(config, run_config, workdir, start_time)
+    try:
+      state = run.restore_or_init()
+      return _train_loop(run, state)
+    finally:
+      run.close()

@@ -184,3 +184,107 @@ def test_check_compatible_names_missing_and_extra():
                      match="'b/w'.*the model lacks"):
     checkpointing.check_compatible(target, saved)
   checkpointing.check_compatible(saved, saved)
+
+
+def _flip_bytes(path: str, count: int = 4096) -> None:
+  with open(path, "r+b") as f:
+    data = bytearray(f.read())
+    start = max(0, len(data) // 2 - count // 2)
+    for i in range(start, min(len(data), start + count)):
+      data[i] ^= 0xFF
+    f.seek(0)
+    f.write(bytes(data))
+
+
+def _largest_file(directory: str) -> str:
+  files = [os.path.join(r, n) for r, _, ns in os.walk(directory) for n in ns
+           if n != checkpointing.MANIFEST_FILE]
+  return max(files, key=os.path.getsize)
+
+
+def test_every_complete_step_gets_a_manifest(tmp_path):
+  directory = str(tmp_path / "ckpt")
+  save_steps(directory, [1, 2])
+  for step in (1, 2):
+    step_dir = os.path.join(directory, str(step))
+    assert os.path.exists(os.path.join(step_dir, checkpointing.MANIFEST_FILE))
+    assert checkpointing.verify_manifest(step_dir)
+
+
+def test_bit_flipped_checkpoint_falls_back_to_previous(tmp_path, caplog):
+  directory = str(tmp_path / "ckpt")
+  save_steps(directory, [1, 2])
+  _flip_bytes(_largest_file(os.path.join(directory, "2")))
+  with pytest.raises(checkpointing.CorruptCheckpointError, match="SHA-256"):
+    checkpointing.verify_manifest(os.path.join(directory, "2"))
+  manager = checkpointing.CheckpointManager(directory)
+  iterator = FakeIterator()
+  with caplog.at_level(logging.WARNING):
+    restored = manager.restore(abstract(), iterator)
+  manager.close()
+  assert_trees_equal(restored, make_state(step=1, seed=1))
+  assert iterator.position == 1
+  assert "SHA-256" in caplog.text and "/2" in caplog.text
+  assert any(n.startswith("unreadable-2-") for n in os.listdir(directory))
+
+
+def test_config_rides_with_the_checkpoint(tmp_path):
+  directory = str(tmp_path / "ckpt")
+  manager = checkpointing.CheckpointManager(directory)
+  config = {"model": {"d_model": 8}, "data": {"seed": 3}}
+  manager.save(1, make_state(step=1), FakeIterator(1), config=config)
+  manager.save(2, make_state(step=2), FakeIterator(2))
+  manager.close()
+  manager = checkpointing.CheckpointManager(directory)
+  assert manager.saved_config(1) == config
+  assert manager.saved_config(2) is None
+  seen = []
+
+  def on_config(step, saved):
+    seen.append((step, saved))
+    return False   # keep the iterator where it is (a new stream)
+
+  iterator = FakeIterator(-1)
+  manager.restore(abstract(), iterator, step=1, on_config=on_config)
+  manager.close()
+  assert seen == [(1, config)]
+  assert iterator.position == -1
+
+
+def test_failed_async_save_names_path_and_os_reason(tmp_path, monkeypatch):
+  directory = str(tmp_path / "ckpt")
+  manager = checkpointing.CheckpointManager(directory)
+  manager.save(1, make_state(step=1), FakeIterator(1))
+  manager.wait_until_finished()
+
+  def full_disk(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+  # The failure surfaces from the background thread's result.
+  monkeypatch.setattr(manager._manager, "check_for_errors", full_disk)
+  with pytest.raises(checkpointing.CheckpointSaveError,
+                     match="No space left on device") as info:
+    manager.check_for_errors()
+  assert directory in str(info.value)
+  monkeypatch.undo()
+  manager.close()
+  assert checkpointing.verify_manifest(os.path.join(directory, "1"))
+
+
+def test_real_write_failure_names_path_and_os_reason(tmp_path):
+  directory = str(tmp_path / "ckpt")
+  manager = checkpointing.CheckpointManager(directory)
+  manager.save(1, make_state(step=1), FakeIterator(1))
+  manager.wait_until_finished()
+  # The disk "goes away": the checkpoint directory becomes a plain file.
+  shutil.move(directory, directory + ".moved")
+  with open(directory, "w") as f:
+    f.write("not a directory")
+  with pytest.raises(checkpointing.CheckpointSaveError) as info:
+    manager.save(2, make_state(step=2), FakeIterator(2))
+    manager.wait_until_finished()
+  message = str(info.value)
+  assert directory in message and "Error" in message
+  os.remove(directory)
+  shutil.move(directory + ".moved", directory)
+  manager.close()

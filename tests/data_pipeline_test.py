@@ -1,5 +1,8 @@
 """Tests of data/pipeline.py: config -> packed numpy batches, checkpoints."""
 
+import logging
+import time
+
 import numpy as np
 import pytest
 
@@ -98,7 +101,7 @@ def _expected_loss_tokens(config, split):
              for _, d in delayed_copy.generate(bconfig, split))
 
 
-def test_eval_is_finite_deterministic_and_complete(data_dir):
+def test_eval_is_finite_deterministic_and_complete(data_dir, caplog):
   config = _config()
   stream = _eval(config, data_dir)
   batches = list(stream)
@@ -107,10 +110,19 @@ def test_eval_is_finite_deterministic_and_complete(data_dir):
   total = sum(b["loss_mask"].sum() for b in batches)
   assert total == _expected_loss_tokens(config, "validation")
 
-  exact = list(_eval(config, data_dir, num_batches=len(batches) + 2))
-  _assert_same(exact[:len(batches)], batches)
-  assert not any(b[k].any() for b in exact[len(batches):] for k in b)
+  # More batches than the split has: the ones that exist, said once.
+  with caplog.at_level(logging.WARNING):
+    capped = list(_eval(config, data_dir, num_batches=10**9))
+  _assert_same(capped, batches)
+  assert f"has only {len(batches)} batches" in caplog.text
   _assert_same(list(_eval(config, data_dir, num_batches=1)), batches[:1])
+  # With several processes, shorter shards are padded with empty batches so
+  # that every process runs the same number of eval steps.
+  shard = list(_eval(config, data_dir, process_count=2))
+  padded = list(_eval(config, data_dir, process_count=2,
+                      num_batches=len(shard) + 2))
+  _assert_same(padded[:len(shard)], shard)
+  assert not any(b[k].any() for b in padded[len(shard):] for k in b)
 
 
 def test_process_sharding(data_dir):
@@ -164,11 +176,26 @@ def test_errors(data_dir, tmp_path):
   with pytest.raises(ValueError, match="matched no files"):
     _train(_config(name="text_files", glob=str(tmp_path / "*.none")),
            data_dir)
-  with pytest.raises(ValueError, match="seq_len"):
-    _train(_config(seq_len=1), data_dir)
+  for seq_len in (0, 1):
+    with pytest.raises(ValueError, match="seq_len must be >= 2"):
+      _train(_config(seq_len=seq_len), data_dir)
+  with pytest.raises(ValueError, match="batch_size must be >= 1"):
+    _train(_config(batch_size=0), data_dir)
   with pytest.raises(ValueError, match="data dir"):
     _train(_config(), None)
   with pytest.raises(ValueError, match="Unknown split"):
     pipeline.load_documents(_config(), "test", data_dir=data_dir)
   with pytest.raises(ValueError, match="num_batches"):
     _eval(_config(), data_dir, num_batches=-1)
+
+
+def test_glob_of_empty_files_fails_fast(tmp_path):
+  corpus = tmp_path / "empty"
+  corpus.mkdir()
+  for i in range(4):
+    (corpus / f"f{i}.txt").write_bytes(b"")
+  config = _config(name="text_files", glob=str(corpus / "*.txt"))
+  start = time.time()
+  with pytest.raises(ValueError, match="every matched file is empty"):
+    _train(config, None, workdir=str(tmp_path))
+  assert time.time() - start < 30

@@ -844,3 +844,24 @@ def test_trace_listener_sees_compiles():
   del _EVENTS[:]
   jax.jit(lambda x: x * 3 + 1)(np.zeros((3, 5, 7), np.float32))
   assert _EVENTS
+
+
+# ----------------------------------------------------------------------------
+# Degenerate inputs get clear errors.
+
+
+def test_empty_time_axis_and_positive_gate_raise():
+  rng = np.random.default_rng(0)
+
+  def inputs(t, gate_sign):
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)
+    return dict(q=f(1, t, 1, 8), k=f(1, t, 1, 8), v=f(1, t, 1, 8),
+                g=gate_sign * np.abs(f(1, t, 1, 8)),
+                beta=np.full((1, t, 1), 0.5, np.float32))
+
+  with pytest.raises(ValueError, match="T must be >= 1"):
+    chunk_kda(**inputs(0, -1.0))
+  bad = inputs(5, -1.0)
+  bad["g"][0, 3, 0, 2] = 0.25
+  with pytest.raises(ValueError, match=r"g\[0, 3, 0, 2\] = 0.25 > 0"):
+    chunk_kda(**bad)

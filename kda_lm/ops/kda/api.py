@@ -99,6 +99,9 @@ def _validate(q, k, v, g, beta, *, scale, initial_state, segment_ids,
   V = v.shape[3]
   if beta.shape != (B, T, H):
     raise ValueError(f"beta must be [B,T,H] = {(B, T, H)}, got {beta.shape}.")
+  if T < 1:
+    raise ValueError(f"T must be >= 1 (q is [B,T,H,K] = {q.shape}): there "
+                     "is no token to attend over.")
   if min(B, H, K, V) < 1:
     raise ValueError(f"Empty dimension in q {q.shape} / v {v.shape}.")
   if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
@@ -159,7 +162,25 @@ def _validate(q, k, v, g, beta, *, scale, initial_state, segment_ids,
                     ("lower_bound", lower_bound)):
       if x is not None:
         raise ValueError(f"{name} is only used with use_gate_in_kernel=True.")
+    _check_log_decay(g)
   return B, T, H, K, V, N
+
+
+def _check_log_decay(g):
+  """A concrete pre-activated gate must be a log-decay (g <= 0)."""
+  gate = _concrete(g)
+  if gate is None or not gate.size:
+    return
+  gate = gate.astype(np.float32)
+  worst = np.nanargmax(np.where(np.isnan(gate), -np.inf, gate))
+  if gate.flat[worst] > 0:
+    raise ValueError(
+        f"g must be a log-decay <= 0 (use_gate_in_kernel=False), but "
+        f"g{[int(i) for i in np.unravel_index(worst, gate.shape)]} = "
+        f"{gate.flat[worst]:.4g} > 0: the state would grow without bound "
+        "and the output overflow to inf/NaN. Apply a gate such as "
+        "-softplus(x) or log(sigmoid(x)) first, or pass the raw gate with "
+        "use_gate_in_kernel=True.")
 
 
 @functools.partial(
@@ -280,7 +301,10 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
     non-padding token, or None unless `output_final_state`.
 
   Raises:
-    ValueError: on any malformed argument, before tracing.
+    ValueError: on any malformed argument, before tracing; also on a
+      concrete pre-activated gate with an entry > 0 (not a log-decay). Under
+      `jit` a traced `g` cannot be inspected: positive entries there make
+      the state grow and the output overflow to inf/NaN.
     NotImplementedError: impl="pallas" with shapes it does not support.
     TypeError: forward-mode autodiff (jax.jvp) of impl="xla" or "pallas",
       whose backward passes are custom VJPs; use impl="reference".
