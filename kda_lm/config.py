@@ -197,8 +197,9 @@ class ModelConfig:
   compute_dtype: str = "float32"
   # chunk_kda implementation: auto | reference | xla | pallas.
   kda_impl: str = "auto"
-  # chunk_kda chunk length (tokens).
-  kda_chunk_size: int = 64
+  # chunk_kda chunk length (tokens); None = the op's choice per
+  # implementation and backend (32 for xla on CPU, 64 otherwise).
+  kda_chunk_size: Optional[int] = None
   # KDA gates: "ling" (full-rank, bounded gate in (-5, 0)) or "kimi"
   # (low-rank, softplus gate).
   kda_gate: str = "ling"
@@ -247,8 +248,9 @@ class ModelConfig:
   def __post_init__(self):
     self._check_pattern()
     _int_at_least(self, "model", 1, "vocab_size", "d_model", "num_heads",
-                  "head_dim", "mlp_hidden_dim", "conv_size",
-                  "kda_chunk_size")
+                  "head_dim", "mlp_hidden_dim", "conv_size")
+    if self.kda_chunk_size is not None:
+      _int_at_least(self, "model", 1, "kda_chunk_size")
     for name, default in (("kda_head_v_dim", self.head_dim),
                           ("mla_num_heads", self.num_heads)):
       if getattr(self, name) is None:

@@ -12,16 +12,23 @@ of Orbax, TF, TFDS and JAX.
 
 `Progress` shows a tqdm bar with the latest loss, accuracy and tokens/s when
 stderr is a terminal, and plain absl log lines otherwise.
+
+`Window` gathers the device metrics of the steps since the last row and
+times them (tokens/s without compilation, eval or checkpoint time).
 """
 
+import contextlib
 import json
 import logging as std_logging
 import math
 import os
 import sys
+import time
 from typing import Any, Iterable, Mapping
 
 from absl import logging
+import jax
+import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -284,3 +291,77 @@ class Progress:
     if self._bar is not None:
       self._bar.close()
       self._bar = None
+
+
+class Window:
+  """Device metrics and token throughput of the steps since the last row."""
+
+  def __init__(self, tokens_per_step: int):
+    self._tokens_per_step = tokens_per_step
+    self._pending: list[tuple[int, dict[str, jax.Array]]] = []
+    self._fetched: list[dict[str, float]] = []
+    self._first_tokens = 0
+    self._first_s = 0.0
+    self.reset()
+
+  def reset(self) -> None:
+    """Starts a new row: drops the fetched metrics, restarts the clock."""
+    self._fetched = []
+    self._tokens = 0
+    self._start = time.time()
+    self._paused = 0.0
+
+  def add(self, step: int, step_metrics: dict[str, jax.Array]) -> None:
+    """Records a dispatched step (its metrics stay on the device)."""
+    self._pending.append((step, step_metrics))
+    self._tokens += self._tokens_per_step
+
+  def time_first_step(self) -> float:
+    """Syncs once after the first step, whose time includes compilation and
+    is left out of tokens/s; returns that time in seconds."""
+    first = self._fetch()
+    self._first_s = time.time() - self._start
+    self._first_tokens = self._tokens
+    self.reset()
+    self._fetched = [m for _, m in first]
+    return self._first_s
+
+  def _fetch(self) -> list[tuple[int, dict[str, float]]]:
+    if not self._pending:
+      return []
+    values = jax.device_get([m for _, m in self._pending])
+    new = [(s, {k: float(v) for k, v in m.items()})
+           for (s, _), m in zip(self._pending, values, strict=True)]
+    self._pending = []
+    return new
+
+  def fetch(self) -> list[tuple[int, dict[str, float]]]:
+    """Copies pending metrics to the host (the only device sync)."""
+    new = self._fetch()
+    self._fetched.extend(m for _, m in new)
+    return new
+
+  def has_rows(self) -> bool:
+    return bool(self._fetched)
+
+  def row(self) -> dict[str, float]:
+    """The mean of the fetched steps' metrics, the last `lr`, tokens/s."""
+    rows = self._fetched
+    out = {k: float(np.mean([m[k] for m in rows]))
+           for k in rows[-1] if k != "lr"}
+    out["lr"] = rows[-1]["lr"]
+    if self._tokens:
+      elapsed = max(time.time() - self._start - self._paused, 1e-9)
+      out["tokens_per_s"] = self._tokens / elapsed
+    else:  # Only the first step, whose time includes compilation.
+      out["tokens_per_s"] = self._first_tokens / max(self._first_s, 1e-9)
+    return out
+
+  @contextlib.contextmanager
+  def paused(self):
+    """Leaves the time spent inside (eval, checkpoints) out of tokens/s."""
+    start = time.time()
+    try:
+      yield
+    finally:
+      self._paused += time.time() - start

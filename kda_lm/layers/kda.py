@@ -91,7 +91,8 @@ class KimiDeltaAttention(hk.Module):
                head_v_dim: Optional[int] = None, gate: str = "ling",
                conv_size: int = 4, conv_bias: bool = False,
                norm_eps: float = 1e-6, impl: str = "auto",
-               chunk_size: int = 64, param_dtype=jnp.float32,
+               chunk_size: Optional[int] = None,
+               param_dtype=jnp.float32,
                pallas_options=None, name: Optional[str] = None):
     """Initialises the module.
 
@@ -104,7 +105,8 @@ class KimiDeltaAttention(hk.Module):
       conv_bias: give the short convolutions a bias.
       norm_eps: epsilon of the gated output RMSNorm.
       impl: `chunk_kda` implementation ("auto", "reference", "xla", ...).
-      chunk_size: `chunk_kda` chunk size.
+      chunk_size: `chunk_kda` chunk size (None: the op's per-backend
+        choice).
       param_dtype: dtype of the projection, conv and norm parameters.
       pallas_options: `chunk_kda`'s `pallas.KernelOptions` (None: the
         defaults of JAX's default backend).
