@@ -13,7 +13,6 @@ from typing import Any, NamedTuple
 
 import haiku as hk
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 from kda_lm import checkpointing, optimizer, sharding, training
@@ -55,15 +54,7 @@ def _abstract_state(config: ml_collections.ConfigDict) -> Any:
   cfg = training.check_config(config)
   model = model_lib.build(cfg.model)
   tx, _ = optimizer.make_optimizer(cfg.opt, cfg.train.num_steps)
-  seq_len = cfg.data.seq_len
-
-  def init(rng):
-    params_rng, state_rng = jax.random.split(rng)
-    tokens = jnp.zeros((1, seq_len), jnp.int32)
-    params = model.init(params_rng, tokens, jnp.ones_like(tokens))
-    return training.TrainState(params, tx.init(params), state_rng,
-                               jnp.zeros((), jnp.int32))
-
+  init = training.make_init_fn(model, tx, cfg.data.seq_len)
   abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
   mesh = sharding.make_mesh(cfg.mesh)
   return sharding.with_shardings(

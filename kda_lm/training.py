@@ -215,6 +215,21 @@ def make_update_fn(model: hk.Transformed, tx: optax.GradientTransformation,
   return update
 
 
+def make_init_fn(model: hk.Transformed, tx: optax.GradientTransformation,
+                 seq_len: int) -> Callable[[jax.Array], TrainState]:
+  """Returns `init(rng) -> TrainState`: fresh parameters and optimizer state
+  (traced on a `[1, seq_len]` row of token 0, one document)."""
+
+  def init(rng):
+    params_rng, state_rng = jax.random.split(rng)
+    tokens = jnp.zeros((1, seq_len), jnp.int32)
+    params = model.init(params_rng, tokens, jnp.ones_like(tokens))
+    return TrainState(params, tx.init(params), state_rng,
+                      jnp.zeros((), jnp.int32))
+
+  return init
+
+
 def make_eval_fn(model: hk.Transformed
                  ) -> Callable[[hk.Params, Batch], jax.Array]:
   """Returns `eval_step(params, batch) -> [loss_sum, correct, weight]`."""
@@ -319,14 +334,7 @@ class _Run:
     cfg = self.cfg
     model = model_lib.build(cfg.model)
     tx, schedule = optimizer.make_optimizer(cfg.opt, cfg.train.num_steps)
-    seq_len = cfg.data.seq_len
-
-    def init(rng):
-      params_rng, state_rng = jax.random.split(rng)
-      tokens = jnp.zeros((1, seq_len), jnp.int32)
-      params = model.init(params_rng, tokens, jnp.ones_like(tokens))
-      return TrainState(params, tx.init(params), state_rng,
-                        jnp.zeros((), jnp.int32))
+    init = make_init_fn(model, tx, cfg.data.seq_len)
 
     self.rng = jax.random.PRNGKey(cfg.train.seed)
     abstract = jax.eval_shape(init, self.rng)

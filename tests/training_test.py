@@ -531,20 +531,6 @@ def test_eval_tokens_are_the_eval_iterators_loss_mask_sum(tmp_path,
       _cross_entropy64(params["table"][b["inputs"][b["loss_mask"] > 0]],
                        b["targets"][b["loss_mask"] > 0]) for b in batches])
   np.testing.assert_allclose(got["eval_loss"], ce.mean(), rtol=1e-6)
-def test_fsdp_shardings():
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1),
-                           ("data", "fsdp"))
-  abstract = {"w": jax.ShapeDtypeStruct((8, 6), np.float32),
-              "s": jax.ShapeDtypeStruct((), np.int32)}
-  shardings = sharding.state_shardings(abstract, mesh)
-  assert shardings["w"].spec == jax.sharding.PartitionSpec()
-  assert sharding.leaf_spec((8, 6), 2) == jax.sharding.PartitionSpec(
-      "fsdp", None)
-  assert sharding.leaf_spec((3, 6), 2) == jax.sharding.PartitionSpec(
-      None, "fsdp")
-  assert sharding.leaf_spec((3, 5), 2) == jax.sharding.PartitionSpec()
-
-
 # ---------------------------------------------------------------------------
 # Faults: nothing lost, nothing silent.
 
