@@ -385,13 +385,13 @@ def test_cross_lowering(platform, mode):
   if platform == "cuda":
     # Chunk-parallel kernels: grid (B, H, T / 64); the recurrence kernels:
     # (B, H, V / 64), the default V blocks; the backward's per-chunk
-    # gradient kernel: (B, H, T / 64 * K / k_block) (Triton's grid has
-    # three axes: Pallas folds the fourth into the third).
+    # gradient kernel: (B * H, T / 64, K / k_block) (Triton's grid has
+    # three axes: Pallas folds the leading ones).
     grids = re.findall(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, "
                        r"grid_z = (\d+)", text)
     recur = 1 if mode == "forward" else 2
     kblocks = [] if mode == "forward" else [
-        ("1", "16", str(128 * LOWER_D // opts.k_block))]
+        ("16", "128", str(LOWER_D // opts.k_block))]
     assert sorted(grids) == sorted(
         [("1", "16", "128")] * (want - recur - len(kblocks))
         + [("1", "16", "2")] * recur + kblocks), grids
