@@ -332,6 +332,27 @@ class Bench:
         os._exit(2)                          # the hung XLA thread stays
       r.update({n: x for (n, *_), x in zip(runs, res, strict=True)})
 
+  def _scaling_table(self):
+    """Lines of the T-scaling table (time at the largest T / the next)."""
+    seq_lens = sorted({k[4] for k in self.order})
+    if len(seq_lens) < 2:
+      return []
+    t_hi, t_lo = seq_lens[-1], seq_lens[-2]
+    scale = []
+    for key in self.order:
+      gate, dtype, pass_name, B, T = key
+      lo = self.results.get((gate, dtype, pass_name, B, t_lo), {})
+      if T != t_hi or "impl" not in self.results[key] or "impl" not in lo:
+        continue
+      hi = self.results[key]
+      scale.append([gate, dtype, pass_name, str(B)] + [
+          _ratio(hi[n].seconds, lo[n].seconds, "{:.2f}")
+          for n in ("impl", "ref")])
+    return [f"T-scaling: time at T={t_hi} / time at T={t_lo} (linear "
+            f"= {t_hi / t_lo:g}).\n",
+            _table(["gate", "dtype", "pass", "B", self.impl, "reference"],
+                   scale), ""]
+
   def render(self, hung=None):
     impl, H, D = self.impl, self.H, self.D
     C = _CHUNK.value or api.default_chunk_size(impl)
@@ -373,24 +394,7 @@ class Bench:
     out.append(_table(head, rows))
     out.append("")
 
-    seq_lens = sorted({k[4] for k in self.order})
-    if len(seq_lens) > 1:
-      t_hi, t_lo = seq_lens[-1], seq_lens[-2]
-      scale = []
-      for key in self.order:
-        gate, dtype, pass_name, B, T = key
-        lo = self.results.get((gate, dtype, pass_name, B, t_lo), {})
-        if T != t_hi or "impl" not in self.results[key] or "impl" not in lo:
-          continue
-        hi = self.results[key]
-        scale.append([gate, dtype, pass_name, str(B)] + [
-            _ratio(hi[n].seconds, lo[n].seconds, "{:.2f}")
-            for n in ("impl", "ref")])
-      out.append(f"T-scaling: time at T={t_hi} / time at T={t_lo} (linear "
-                 f"= {t_hi / t_lo:g}).\n")
-      out.append(_table(["gate", "dtype", "pass", "B", impl, "reference"],
-                        scale))
-      out.append("")
+    out += self._scaling_table()
     if self.base is not None:
       out.append(self._compare_table())
       out.append("")

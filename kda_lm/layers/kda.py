@@ -159,17 +159,9 @@ class KimiDeltaAttention(hk.Module):
       ValueError: `x` is not [B,T,D], `segment_ids` is not [B,T], or a
         `cache` comes with `segment_ids`.
     """
-    if x.ndim != 3:
-      raise ValueError(f"x must be [B,T,D], got shape {x.shape}.")
+    segment_ids = _check_inputs(x, segment_ids, cache)
     B, T, D = x.shape
     H, K, V = self.num_heads, self.head_dim, self.head_v_dim
-    if segment_ids is not None:
-      if segment_ids.shape != (B, T):
-        raise ValueError(f"segment_ids must be [B,T] = {(B, T)}, got "
-                         f"{segment_ids.shape}.")
-      segment_ids = segment_ids.astype(jnp.int32)
-    if cache is not None and segment_ids is not None:
-      raise ValueError("A KDA decode step (cache) takes no segment_ids.")
     with_cache = cache is not None or return_cache
     windows = {}
 
@@ -217,7 +209,7 @@ class KimiDeltaAttention(hk.Module):
           use_qk_l2norm_in_kernel=True, output_final_state=return_cache,
           chunk_size=self.chunk_size, impl=self.impl,
           pallas_options=self.pallas_options)
-    else:
+    else:  # One decode step from the cached state, in closed form.
       o_BTHV, state = recurrent.recurrent_kda(
           q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, cache.state,
           A_log=A_log_H, dt_bias=dt_bias, lower_bound=lower_bound)
@@ -228,6 +220,22 @@ class KimiDeltaAttention(hk.Module):
     if not with_cache:
       return y
     return y, KDACache(state=state, **windows)
+
+
+def _check_inputs(x: jax.Array, segment_ids: Optional[jax.Array],
+                  cache: Optional[KDACache]) -> Optional[jax.Array]:
+  """Checks the layer's inputs; returns `segment_ids` as int32 (or None)."""
+  if x.ndim != 3:
+    raise ValueError(f"x must be [B,T,D], got shape {x.shape}.")
+  B, T, _ = x.shape
+  if segment_ids is None:
+    return None
+  if segment_ids.shape != (B, T):
+    raise ValueError(f"segment_ids must be [B,T] = {(B, T)}, got "
+                     f"{segment_ids.shape}.")
+  if cache is not None:
+    raise ValueError("A KDA decode step (cache) takes no segment_ids.")
+  return segment_ids.astype(jnp.int32)
 
 
 def param_count(d_model: int, num_heads: int, head_dim: int, *,

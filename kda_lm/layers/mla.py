@@ -176,6 +176,39 @@ def _decode_attend(q_nope_BHN, q_rope_BHR, c_BC, k_rope_BR, cache, w_CHX,
                                lengths=cache.lengths + 1)
 
 
+def _attend(q_BTHP, k_BTHP, v_BTHE, piece_BT, valid_BT, *, scale, q_block):
+  """Masked softmax attention of all queries: [B,T,H,E] float32.
+
+  Rows longer than `q_block` attend in causal query blocks: block [a, b)
+  only reads keys [0, b), and its scores are recomputed in the backward pass
+  instead of stored.
+  """
+  T = q_BTHP.shape[1]
+  if T <= q_block:
+    return _attend_block(q_BTHP, k_BTHP, v_BTHE, piece_BT, valid_BT,
+                         start=0, scale=scale)
+  outs = []
+  for start in range(0, T, q_block):
+    stop = min(start + q_block, T)
+    attend = jax.checkpoint(functools.partial(
+        _attend_block, start=start, scale=scale))
+    outs.append(attend(q_BTHP[:, start:stop], k_BTHP[:, :stop],
+                       v_BTHE[:, :stop], piece_BT, valid_BT))
+  return jnp.concatenate(outs, axis=1)
+
+
+def _kv_b_weight(C, H, X, param_dtype):
+  """`kv_b_proj`'s weight as [C,H,X] (X = N + E), for the absorbed decode.
+
+  The same parameter `linear.Dense(H * X, name="kv_b_proj")` creates in the
+  full forward (called from `__call__`, so it lands in the same scope).
+  """
+  with hk.name_scope("kv_b_proj"):
+    w_CHX = hk.get_parameter("w", [C, H * X], param_dtype,
+                             init=hk.initializers.TruncatedNormal(C ** -0.5))
+  return w_CHX.reshape(C, H, X)
+
+
 class MultiHeadLatentAttention(hk.Module):
   """MLA with an optional low-rank query and an optional output gate."""
 
@@ -292,13 +325,10 @@ class MultiHeadLatentAttention(hk.Module):
       k_rope_BT1R = rope.apply_rope(k_rope_BT1R, positions, self.rope_theta)
     scale = (N + R) ** -0.5
     if cache is not None:
-      with hk.name_scope("kv_b_proj"):
-        w_CHX = hk.get_parameter(
-            "w", [C, H * (N + E)], self.param_dtype,
-            init=hk.initializers.TruncatedNormal(C ** -0.5))
       o_BHE, new_cache = _decode_attend(
           q_nope_BTHN[:, 0], q_rope_BTHR[:, 0], c_kv_BTC[:, 0],
-          k_rope_BT1R[:, 0, 0], cache, w_CHX.reshape(C, H, N + E), scale)
+          k_rope_BT1R[:, 0, 0], cache,
+          _kv_b_weight(C, H, N + E, self.param_dtype), scale)
       return (_output(x, o_BHE[:, None], None, dense, self.output_gate),
               new_cache)
     kv_BTHX = dense(H * (N + E), "kv_b_proj")(c_kv_BTC).reshape(
@@ -312,20 +342,8 @@ class MultiHeadLatentAttention(hk.Module):
       piece_BT = valid_BT = None
     else:
       piece_BT, valid_BT = segments.piece_ids(segment_ids), segment_ids != 0
-    if T <= self.q_block:
-      o_BTHE = _attend_block(q_BTHP, k_BTHP, v_BTHE, piece_BT, valid_BT,
-                             start=0, scale=scale)
-    else:
-      # Causal query blocks: block [a, b) only reads keys [0, b), and its
-      # scores are recomputed in the backward pass instead of stored.
-      outs = []
-      for start in range(0, T, self.q_block):
-        stop = min(start + self.q_block, T)
-        attend = jax.checkpoint(functools.partial(
-            _attend_block, start=start, scale=scale))
-        outs.append(attend(q_BTHP[:, start:stop], k_BTHP[:, :stop],
-                           v_BTHE[:, :stop], piece_BT, valid_BT))
-      o_BTHE = jnp.concatenate(outs, axis=1)
+    o_BTHE = _attend(q_BTHP, k_BTHP, v_BTHE, piece_BT, valid_BT,
+                     scale=scale, q_block=self.q_block)
     y = _output(x, o_BTHE, segment_ids, dense, self.output_gate)
     if max_len is None:
       return y

@@ -147,6 +147,13 @@ def _validate(q, k, v, g, beta, *, scale, initial_state, segment_ids,
                        f"{initial_state.shape}.")
     _check_float("initial_state", initial_state)
 
+  _check_gate_args(g, A_log, dt_bias, lower_bound, use_gate_in_kernel, H, K)
+  return B, T, H, K, V, N
+
+
+def _check_gate_args(g, A_log, dt_bias, lower_bound, use_gate_in_kernel, H,
+                     K):
+  """The in-kernel gate's parameters, or a pre-activated log-decay `g`."""
   if use_gate_in_kernel:
     if A_log is None:
       raise ValueError("use_gate_in_kernel=True requires A_log [H].")
@@ -157,13 +164,12 @@ def _validate(q, k, v, g, beta, *, scale, initial_state, segment_ids,
                        f"{dt_bias.shape}.")
     if lower_bound is not None and not -5.0 <= float(lower_bound) < 0.0:
       raise ValueError(f"lower_bound must lie in [-5, 0), got {lower_bound}.")
-  else:
-    for name, x in (("A_log", A_log), ("dt_bias", dt_bias),
-                    ("lower_bound", lower_bound)):
-      if x is not None:
-        raise ValueError(f"{name} is only used with use_gate_in_kernel=True.")
-    _check_log_decay(g)
-  return B, T, H, K, V, N
+    return
+  for name, x in (("A_log", A_log), ("dt_bias", dt_bias),
+                  ("lower_bound", lower_bound)):
+    if x is not None:
+      raise ValueError(f"{name} is only used with use_gate_in_kernel=True.")
+  _check_log_decay(g)
 
 
 def _check_log_decay(g):
@@ -319,18 +325,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
       segment_ids=segment_ids, cu_seqlens=cu_seqlens, A_log=A_log,
       dt_bias=dt_bias, use_gate_in_kernel=use_gate_in_kernel,
       lower_bound=lower_bound, chunk_size=chunk_size)
-  chosen = chunk_size is None
-  if chosen:
-    chunk_size = default_chunk_size(impl)
-  impl = _check_pallas(requested, impl, K, V, chunk_size)
-  if chosen:  # after a fallback from "pallas" to "xla"
-    chunk_size = default_chunk_size(impl)
-  if impl == "pallas" and pallas_options is None:
-    pallas_options = pallas.default_options()
-  if pallas_options is not None and not isinstance(pallas_options,
-                                                   pallas.KernelOptions):
-    raise ValueError(f"pallas_options must be a pallas.KernelOptions, got "
-                     f"{type(pallas_options).__name__}.")
+  impl, chunk_size, pallas_options = _run_settings(
+      requested, impl, K, V, chunk_size, pallas_options)
   core_kwargs = dict(
       scale=float(K ** -0.5 if scale is None else scale),
       lower_bound=None if lower_bound is None else float(lower_bound),
@@ -344,6 +340,28 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
   o, state = _run(q, k, v, g, beta, initial_state, segment_ids, cu_seqlens,
                   A_log, dt_bias, core_kwargs)
   return o.astype(q.dtype), (state if output_final_state else None)
+
+
+def _run_settings(requested, impl, K, V, chunk_size, pallas_options):
+  """The implementation, chunk size and kernel options a call runs with.
+
+  `chunk_size=None` takes `default_chunk_size` of the implementation that
+  finally runs (after any fallback from "pallas" to "xla"); impl "pallas"
+  without options takes `pallas.default_options()`.
+  """
+  chosen = chunk_size is None
+  if chosen:
+    chunk_size = default_chunk_size(impl)
+  impl = _check_pallas(requested, impl, K, V, chunk_size)
+  if chosen:
+    chunk_size = default_chunk_size(impl)
+  if impl == "pallas" and pallas_options is None:
+    pallas_options = pallas.default_options()
+  if pallas_options is not None and not isinstance(pallas_options,
+                                                   pallas.KernelOptions):
+    raise ValueError(f"pallas_options must be a pallas.KernelOptions, got "
+                     f"{type(pallas_options).__name__}.")
+  return impl, chunk_size, pallas_options
 
 
 def _forward_mode(x):
