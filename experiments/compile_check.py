@@ -338,22 +338,17 @@ def check_train_step(target):
   with kda_impl "auto" compiled for the GPU target, as a GPU run takes it:
   JAX's default backend reads "gpu" while tracing."""
   from configs import ling3_tiny  # pylint: disable=g-import-not-at-top
-  from kda_lm import model as model_lib  # pylint: disable=g-import-not-at-top
-  from kda_lm import training  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from kda_lm import model as model_lib
+  from kda_lm import optimizer, training
   config = ling3_tiny.get_config()
   mesh = _mesh(target)
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   model = model_lib.build(config.model)
-  tx, schedule = training.make_optimizer(config.opt, 10)
+  tx, schedule = optimizer.make_optimizer(config.opt, 10)
   update = training.make_update_fn(model, tx, schedule, config.model)
   b, t = int(config.data.batch_size), int(config.data.seq_len)
-
-  def init(rng):
-    tokens = jnp.zeros((1, t), jnp.int32)
-    params = model.init(rng, tokens, jnp.ones_like(tokens))
-    return training.TrainState(params, tx.init(params), rng,
-                               jnp.zeros((), jnp.int32))
-
+  init = training.make_init_fn(model, tx, t)
   abstract = jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
       jax.eval_shape(init, jax.random.PRNGKey(0)))
