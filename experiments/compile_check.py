@@ -338,6 +338,7 @@ def check_train_step(target):
   with kda_impl "auto" compiled for the GPU target, as a GPU run takes it:
   JAX's default backend reads "gpu" while tracing."""
   from configs import ling3_tiny  # pylint: disable=g-import-not-at-top
+
   # pylint: disable=g-import-not-at-top
   from kda_lm import model as model_lib
   from kda_lm import optimizer, training
