@@ -512,10 +512,16 @@ def test_evaluate_pools_sums_over_all_batches():
 
 def test_eval_tokens_are_the_eval_iterators_loss_mask_sum(tmp_path,
                                                            data_dir):
-  """`evaluate` over the real eval stream (the split, then padded batches)."""
+  """`evaluate` over the real eval stream (the split, then padded batches).
+
+  One shard of a two-process run: with several processes the shorter shards
+  are padded with empty batches up to `num_batches` (one process would
+  evaluate only the batches that exist).
+  """
   config = tiny_config(data_dir)
   batches = pipeline.make_eval_iterator(config.data, workdir=str(tmp_path),
-                                        num_batches=6)
+                                        num_batches=6, process_index=0,
+                                        process_count=2)
   real = [float(b["loss_mask"].sum()) for b in batches]
   # Several non-empty batches, then padding batches: dropping any shows.
   assert len(real) == 6 and real[-1] == 0.0
@@ -531,6 +537,8 @@ def test_eval_tokens_are_the_eval_iterators_loss_mask_sum(tmp_path,
       _cross_entropy64(params["table"][b["inputs"][b["loss_mask"] > 0]],
                        b["targets"][b["loss_mask"] > 0]) for b in batches])
   np.testing.assert_allclose(got["eval_loss"], ce.mean(), rtol=1e-6)
+
+
 # ---------------------------------------------------------------------------
 # Faults: nothing lost, nothing silent.
 
