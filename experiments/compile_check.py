@@ -80,6 +80,9 @@ _PROGRAMS = flags.DEFINE_list(
     "programs", ["forward:segments", "gradient:segments", "forward:none",
                  "gradient:none"],
     "Whole programs compiled with --full (what:segments|none).")
+_TRAIN_STEP = flags.DEFINE_bool(
+    "train_step", True, "With --full, also compile one ling3_tiny training "
+    "step for each GPU target (the slowest program: minutes).")
 _MAX_SPILL = flags.DEFINE_integer("max_spill_bytes", 1024,
                                   "Spill stores or loads allowed per thread.")
 _SHAPE = flags.DEFINE_list("shape", ["1", "8192", "16", "128"], "B,T,H,D.")
@@ -396,7 +399,7 @@ def main(argv):
       rows += check_kernels(target)
       if _FULL.value:
         rows += check_programs(target)
-        if target in GPU:
+        if target in GPU and _TRAIN_STEP.value:
           rows += check_train_step(target)
     except Exception:  # pylint: disable=broad-except
       traceback.print_exc()
