@@ -21,7 +21,6 @@ import time
 from typing import Iterable, Sequence
 
 from absl import app, flags, logging
-
 import numpy as np
 
 from data import pipeline
