@@ -53,6 +53,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from data import delayed_copy, packing, text_files
+from data import tokenizer as tokenizer_lib
 from kda_lm import config as config_lib
 
 # The datasets by `config.data.name`: each module's `Settings` dataclass
@@ -230,6 +231,23 @@ def resolve_config(config: ml_collections.ConfigDict, workdir: str
   config.data.tokenizer_path = settings.tokenizer_path
   config.data.tokenizer_sha256 = settings.tokenizer_sha256
   return config
+
+
+def token_bytes(config: Any, data_dir: str) -> np.ndarray:
+  """UTF-8 bytes per token id `[vocab]` (1 for byte-level data, 0 for ids
+  past the tokenizer's), for losses per byte. Delayed copy: all ones.
+
+  Raises:
+    As `text_files.Settings.resolve`.
+  """
+  cfg = DataConfig.from_config(config).resolve(data_dir)
+  lengths = np.ones(cfg.vocab_size(), np.float32)
+  if getattr(cfg.dataset, "is_bpe", False):
+    pieces = tokenizer_lib.token_bytes(
+        tokenizer_lib.load(cfg.dataset.tokenizer_path))
+    lengths[:] = 0
+    lengths[:len(pieces)] = [len(p) for p in pieces]
+  return lengths
 
 
 def _recorded(workdir: str, key: str) -> str:

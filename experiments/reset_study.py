@@ -40,11 +40,10 @@ import tensorflow as tf
 import kda_lm  # noqa: F401  # isort: skip  (first: XLA:CPU flags)
 from configs import ling3_tiny
 from data import packing, pipeline
-from data import tokenizer as tokenizer_lib
 from kda_lm import evaluate, optimizer, training
 from kda_lm import model as model_lib
 
-_STEPS = flags.DEFINE_integer("steps", 250, "Training steps per run.")
+_STEPS = flags.DEFINE_integer("steps", 160, "Training steps per run.")
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per condition.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 512, "Training row length.")
 _BATCH = flags.DEFINE_integer("batch_size", 2, "Training rows per step.")
@@ -117,11 +116,14 @@ def train(compiled: Compiled, setting: Setting, seed: int, reset: bool
       process_index=0, process_count=1)
   state = compiled.init(jax.random.PRNGKey(seed))
   losses = []
-  for _ in range(setting.steps):
+  for step in range(1, setting.steps + 1):
     batch = next(it)
     training.check_batch(batch, compiled.vocab_size, "a study batch")
     state, metrics = compiled.update(state, batch)
     losses.append(metrics["loss"])
+    if step % 50 == 0:
+      logging.info("reset=%s seed=%d step %d: loss %.4f", reset, seed, step,
+                   float(losses[-1]))
   tail = max(1, setting.steps // 10)
   return state.params, float(np.mean(jax.device_get(losses[-tail:])))
 
@@ -193,19 +195,6 @@ def bucket_name(lo: int, hi: int | None) -> str:
   return f"pos {lo}-{hi - 1}" if hi else f"pos {lo}+"
 
 
-def token_byte_lengths(setting: Setting) -> np.ndarray:
-  """UTF-8 bytes per token id (all 1 for the byte-level data)."""
-  cfg = pipeline.DataConfig.from_config(setting.config.data).resolve(
-      setting.data_dir)
-  if not getattr(cfg.dataset, "is_bpe", False):
-    return np.ones(cfg.vocab_size(), np.float64)
-  tok = tokenizer_lib.load(cfg.dataset.tokenizer_path)
-  lengths = np.zeros(cfg.vocab_size(), np.float64)
-  pieces = tokenizer_lib.token_bytes(tok)
-  lengths[:len(pieces)] = [len(p) for p in pieces]
-  return lengths
-
-
 def run_study(setting: Setting) -> tuple[list[dict[str, Any]], np.ndarray]:
   """Trains and evaluates every (condition, seed).
 
@@ -215,7 +204,7 @@ def run_study(setting: Setting) -> tuple[list[dict[str, Any]], np.ndarray]:
   """
   compiled = Compiled(setting.config, setting.steps)
   docs = held_out(setting)
-  token_bytes = token_byte_lengths(setting)
+  token_bytes = pipeline.token_bytes(setting.config.data, setting.data_dir)
   seq_len = int(setting.config.data.seq_len)
   rows, curves = [], []
   for seed in setting.seeds:

@@ -126,3 +126,27 @@ def document_ids(rng: np.random.Generator, B: int, T: int, docs: int
     cuts = np.sort(rng.choice(np.arange(1, T), docs - 1, replace=False))
     ids[b] = np.searchsorted(cuts, np.arange(T), side="right") + 1
   return ids
+
+
+def write_text_corpus(root: str, num_files: int = 8) -> dict[str, str]:
+  """Writes a small UTF-8 text corpus for the text_files tests.
+
+  Files `f{i}.txt` under `root` mix ASCII code, non-ASCII text (accents,
+  CJK, an emoji), empty lines, tabs and a carriage return.
+
+  Returns:
+    `{file name: its text}`.
+  """
+  import os  # pylint: disable=g-import-not-at-top
+  os.makedirs(root, exist_ok=True)
+  lines = ["def f(x):", "    return x * 2", "", "# café — naïve ☕",
+           "\t名前 = 'データ'  # 🐍", "", "", "class A:\r", "  pass"]
+  out = {}
+  for i in range(num_files):
+    text = "\n".join(lines[i % 3:] + lines[:i % 3]) * (i + 1) + f"\n# {i}\n"
+    name = f"f{i}.txt"
+    with open(os.path.join(root, name), "w", encoding="utf-8",
+              newline="") as f:
+      f.write(text)
+    out[name] = text
+  return out
