@@ -1,8 +1,10 @@
 """Tests of data/pipeline.py: config -> packed numpy batches, checkpoints."""
 
 import logging
+import os
 import time
 
+import ml_collections
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -11,6 +13,7 @@ from data import delayed_copy, packing, pipeline, text_files
 from data import tokenizer as tokenizer_lib
 from experiments import bench_data
 from kda_lm import testing
+from kda_lm import workdir as workdir_lib
 
 SEQ_LEN = 32
 BATCH = 4
@@ -278,3 +281,40 @@ def test_bpe_documents_and_rows_exactly(tmp_path):
   _assert_same(rows, expected)
   real = np.stack([r["segment_ids"] for r in rows]) > 0
   assert (np.stack([r["inputs"] for r in rows])[real] < 300).all()
+
+
+def test_resume_reloads_the_recorded_tokenizer_and_refuses_another(
+    tmp_path):
+  testing.write_text_corpus(str(tmp_path / "c"))
+  run = ml_collections.ConfigDict({"data": _config(
+      name="text_files", glob=str(tmp_path / "c" / "*.txt"),
+      validation_percent=30, tokenizer="bpe", bpe_vocab_size=300)})
+  workdir = str(tmp_path / "run")
+  first = pipeline.resolve_config(run, workdir)
+  path = first.data.tokenizer_path
+  assert path.startswith(os.path.join(workdir, "tfds", "tokenizers"))
+  assert first.data.tokenizer_sha256 == tokenizer_lib.sha256(path)
+  assert not run.data.tokenizer_path     # The given config is not changed.
+  os.makedirs(workdir, exist_ok=True)
+  workdir_lib.write_config(workdir, first.to_dict(), step=0)
+
+  # A resume given no tokenizer path reloads the recorded one, unchanged,
+  # also when the data dir (and with it the default path) moves.
+  moved = ml_collections.ConfigDict(run.to_dict())
+  moved.data.data_dir = str(tmp_path / "elsewhere")
+  again = pipeline.resolve_config(moved, workdir)
+  assert again.data.tokenizer_path == path
+  assert not workdir_lib.check_resume(first.to_dict(), again.to_dict(),
+                                      step=5, allow_change=False)
+
+  # Another tokenizer in its place: refused as a change of the data.
+  tokenizer_lib.train_for_files(
+      [str(tmp_path / "c" / "f0.txt")], vocab_size=280, seed=0, path=path)
+  changed = pipeline.resolve_config(run, workdir)
+  with pytest.raises(workdir_lib.ConfigChangedError,
+                     match="data.tokenizer_sha256"):
+    workdir_lib.check_resume(first.to_dict(), changed.to_dict(), step=5,
+                             allow_change=False)
+  # A config that names the checksum refuses the file before anything runs.
+  with pytest.raises(text_files.TokenizerChangedError):
+    pipeline.resolve_config(first, workdir)
