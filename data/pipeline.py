@@ -4,7 +4,7 @@ Interface used by the training code:
 
   from data import pipeline
   config.data = pipeline.default_config()          # in the config file
-  vocab = pipeline.vocab_size(config.data)         # 256 for text_files
+  vocab = pipeline.vocab_size(config.data)         # 256 for text bytes
   train_it = pipeline.make_train_iterator(config.data, workdir=workdir)
   batch = next(train_it)
   train_it.save(ckpt_dir)
@@ -21,19 +21,25 @@ int32 `inputs`, `targets`, `segment_ids` (1..n per document piece in a row,
 
 `config.data` is one flat section: the fields of `DataConfig` (dataset
 `name`, `data_dir`, `seq_len`, global `batch_size`, shuffle `seed`,
-`reset_at_document_boundaries`, `shuffle_buffer`, `pack_window_rows`) and
-those of every dataset's `Settings` (`data/delayed_copy.py`:
-`vocab_size`, `delay`, `min_len`, `max_len`, `num_train_docs`,
-`num_eval_docs`, `dataset_seed`; `data/text_files.py`: `glob`,
-`validation_percent`). `DataConfig.from_config` reads it once, validated; a
-new dataset is a module with a `Settings` class and an entry in `DATASETS`.
+`reset_at_document_boundaries`, `shuffle_buffer`, `piece_shuffle_buffer`,
+`pack_window_rows`) and those of every dataset's `Settings`
+(`data/delayed_copy.py`: `vocab_size`, `delay`, `min_len`, `max_len`,
+`num_train_docs`, `num_eval_docs`, `dataset_seed`; `data/text_files.py`:
+`glob`, `validation_percent`, `tokenizer`, `bpe_vocab_size`,
+`tokenizer_seed`, `tokenizer_path`, `tokenizer_sha256`).
+`DataConfig.from_config` reads it once, validated; a new dataset is a module
+with a `Settings` class (and its `resolve(data_dir)`, which builds and
+identifies what the dataset needs besides TFDS, such as a tokenizer) and an
+entry in `DATASETS`.
 Datasets are built on first use, offline, under `data_dir` (None:
 `<workdir>/tfds`).
 
 Training stream: the process's shard of the train split (TFDS even split by
 `jax.process_index()/process_count()`), shuffled with `seed` (a new order each
-epoch, the same sequence for the same seed), repeated forever, packed, batched
-and prefetched. Everything is a tf.data graph (no Python generators), so the
+epoch, the same sequence for the same seed), repeated forever, cut into
+row-sized pieces that are shuffled again (`piece_shuffle_buffer`, so that
+consecutive rows come from different documents), packed, batched and
+prefetched. Everything is a tf.data graph (no Python generators), so the
 iterator's position, buffers included, is saved with `tf.train.Checkpoint`.
 The eval stream is the process's shard of the validation split, in file
 order, packed and batched; its last batch is padded with empty rows

@@ -55,7 +55,7 @@ def test_same_inputs_give_the_same_file(corpus, tmp_path):
 
 
 def test_settings_build_once_and_check_the_checksum(corpus, tmp_path):
-  root, _ = corpus
+  root, texts = corpus
   settings = text_files.Settings(glob=os.path.join(root, "*.txt"),
                                  validation_percent=30, tokenizer="bpe",
                                  bpe_vocab_size=VOCAB)
@@ -68,6 +68,18 @@ def test_settings_build_once_and_check_the_checksum(corpus, tmp_path):
   assert resolved.resolve(data_dir) == resolved       # Not rebuilt.
   assert resolved.builder_config().name.endswith(
       "_bpe" + resolved.tokenizer_sha256[:16])
+  # A given tokenizer.json is used as it is; nothing is built.
+  given = str(tmp_path / "given.json")
+  digest = tokenizer_lib.train_for_files(
+      _paths(root, texts)[:2], vocab_size=280, seed=0, path=given)
+  other_dir = str(tmp_path / "other")
+  used = text_files.Settings(tokenizer="bpe", bpe_vocab_size=VOCAB,
+                             tokenizer_path=given).resolve(other_dir)
+  assert (used.tokenizer_path, used.tokenizer_sha256) == (given, digest)
+  assert not os.path.exists(other_dir)
+  with pytest.raises(FileNotFoundError):
+    text_files.Settings(tokenizer="bpe", tokenizer_path=given + ".no"
+                        ).resolve(other_dir)
   with pytest.raises(ValueError, match="resolved first"):
     settings.builder_config()
   with pytest.raises(text_files.TokenizerChangedError, match="SHA-256"):
