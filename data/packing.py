@@ -235,11 +235,13 @@ def split_documents(documents: tf.data.Dataset, seq_len: int
     length = tf.shape(doc["tokens"], out_type=tf.int32)[0]
     pairs = tf.maximum(length - 1, 0)
     starts = tf.range((pairs + seq_len - 1) // seq_len) * seq_len
-    index = tf.ragged.range(starts, tf.minimum(starts + seq_len + 1, length))
-    return tf.data.Dataset.from_tensor_slices(
-        {k: tf.gather(doc[k], index) for k in keys})
+    index = tf.ragged.range(starts, tf.minimum(starts + seq_len + 1, length),
+                            row_splits_dtype=tf.int32)
+    return {k: tf.gather(doc[k], index) for k in keys}
 
-  return documents.flat_map(pieces)
+  # Each document becomes a ragged batch of its pieces, then one element per
+  # piece (cheaper per document than a dataset per document).
+  return documents.map(pieces).unbatch()
 
 
 def pack_documents(documents: tf.data.Dataset,
