@@ -203,3 +203,25 @@ def decode_bytes(tok: tokenizers.Tokenizer, ids: Sequence[int]) -> bytes:
   """The exact bytes of a token sequence (also a cut inside a character)."""
   pieces = token_bytes(tok)
   return b"".join(pieces[int(i)] for i in ids)
+
+
+class TextCodec:
+  """Text <-> token ids: UTF-8 bytes, or a byte-level BPE `tokenizer.json`.
+
+  Args:
+    tokenizer_path: the BPE; "" = bytes (ids 0..255).
+  """
+
+  def __init__(self, tokenizer_path: str = ""):
+    self.tokenizer = load(tokenizer_path) if tokenizer_path else None
+
+  def encode(self, text: str) -> list[int]:
+    if self.tokenizer is None:
+      return list(text.encode("utf-8"))
+    return self.tokenizer.encode(text).ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    """The text; a character cut by the end of `ids` shows as U+FFFD."""
+    data = (bytes(int(i) for i in ids) if self.tokenizer is None
+            else decode_bytes(self.tokenizer, ids))
+    return data.decode("utf-8", errors="replace")

@@ -11,7 +11,7 @@ Then, for the text datasets at seq_len 256 (4 rows a batch), how often a
 training row continues the document whose piece ended the previous row, and
 how many rows are a single piece of a longer file, without (the reference)
 and with the piece shuffle (`config.data.piece_shuffle_buffer`). Pieces are
-recognised by their tokens (`piece_index`).
+recognised by their tokens (`kda_lm.testing.piece_index`).
 
 Usage:
 
@@ -20,17 +20,16 @@ Usage:
       --seconds=5 --workdir=/tmp/bench_data --continuity_datasets=
 """
 
-import collections
 import os
 import tempfile
 import time
-from typing import Iterable, Sequence
 
 from absl import app, flags, logging
 import ml_collections
 import numpy as np
 
 from data import pipeline
+from kda_lm import testing
 
 _DATASETS = flags.DEFINE_list(
     "datasets", ["delayed_copy", "text_files", "text_files_bpe"],
@@ -48,55 +47,6 @@ _SECONDS = flags.DEFINE_float("seconds", 4.0,
 _WORKDIR = flags.DEFINE_string(
     "workdir", os.path.join(tempfile.gettempdir(), "kda_lm_bench_data"),
     "Where the datasets are built (<workdir>/tfds).")
-
-
-def piece_index(documents: Iterable[np.ndarray], seq_len: int
-                ) -> dict[bytes, set[tuple[int, int, int]]]:
-  """Maps each piece's input tokens to its `(document, piece, pieces)`.
-
-  A piece is what the packer makes of a document: `seq_len` pairs starting
-  at pair `k * seq_len`; `pieces` is the document's number of pieces.
-  Identical pieces (copied files) map to every place they occur.
-  """
-  index = collections.defaultdict(set)
-  for d, tokens in enumerate(documents):
-    inputs = np.asarray(tokens, np.int32)[:-1]
-    starts = range(0, len(inputs), seq_len)
-    for k, start in enumerate(starts):
-      index[inputs[start:start + seq_len].tobytes()].add((d, k, len(starts)))
-  return index
-
-
-def _segment(row: dict[str, np.ndarray], segment: int) -> bytes:
-  return row["inputs"][row["segment_ids"] == segment].tobytes()
-
-
-def row_continuity(rows: Sequence[dict[str, np.ndarray]],
-                   index: dict[bytes, set[tuple[int, int, int]]]
-                   ) -> dict[str, float]:
-  """How often consecutive rows continue one document.
-
-  Args:
-    rows: consecutive packed rows (reset mode: per-document segment ids),
-      each a dict of `[seq_len]` int32 arrays.
-    index: `piece_index` of the split the rows come from.
-
-  Returns:
-    `continuing`: share of rows (after the first) whose first segment is the
-    next piece of a document whose piece ends the previous row;
-    `single_piece`: share of rows that are one piece of a document of
-    several pieces.
-  """
-  continuing = single = 0
-  previous = set()
-  for row in rows:
-    segments = int(row["segment_ids"].max())
-    first = index.get(_segment(row, 1), set())
-    continuing += any((d, k + 1, n) in first for d, k, n in previous)
-    single += segments == 1 and any(n > 1 for _, _, n in first)
-    previous = index.get(_segment(row, segments), set())
-  return {"continuing": continuing / max(len(rows) - 1, 1),
-          "single_piece": single / max(len(rows), 1)}
 
 
 def data_config(name: str, seq_len: int, batch_size: int, **overrides
@@ -153,8 +103,8 @@ def continuity(name: str, seq_len: int, batch_size: int, batches: int,
   base = data_config(name, seq_len, batch_size)
   documents, _ = pipeline.load_documents(
       base, "train", data_dir=os.path.join(workdir, "tfds"))
-  index = piece_index((d["tokens"] for d in documents.as_numpy_iterator()),
-                      seq_len)
+  index = testing.piece_index(
+      (d["tokens"] for d in documents.as_numpy_iterator()), seq_len)
   out = []
   for buffer in (0, int(base.piece_shuffle_buffer)):
     iterator = pipeline.make_train_iterator(
@@ -163,7 +113,7 @@ def continuity(name: str, seq_len: int, batch_size: int, batches: int,
     rows = [{k: v[i] for k, v in batch.items()}
             for batch in (next(iterator) for _ in range(batches))
             for i in range(batch_size)]
-    result = row_continuity(rows, index)
+    result = testing.row_continuity(rows, index)
     result["fill"] = float(np.mean([(r["segment_ids"] > 0).mean()
                                     for r in rows]))
     out.append((buffer, result))

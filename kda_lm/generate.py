@@ -50,36 +50,20 @@ _BATCH = flags.DEFINE_integer("batch_size", 16,
                               "Copy accuracy: documents per batch.")
 
 
-class TextCodec:
-  """Text <-> token ids of a `text_files` run: bytes or its BPE."""
-
-  def __init__(self, tokenizer_path: str = ""):
-    self.tokenizer = (tokenizer_lib.load(tokenizer_path) if tokenizer_path
-                      else None)
-
-  @classmethod
-  def for_run(cls, run: runs.Run) -> Optional["TextCodec"]:
-    """The run's codec; None for non-text runs (token ids)."""
-    from data import pipeline  # pylint: disable=g-import-not-at-top
-    if run.config.data.name != "text_files":
-      return None
-    data = pipeline.DataConfig.from_config(run.config.data).resolve(
-        pipeline.resolve_data_dir(run.config.data, run.workdir))
-    return cls(data.dataset.tokenizer_path if data.dataset.is_bpe else "")
-
-  def encode(self, text: str) -> list[int]:
-    if self.tokenizer is None:
-      return list(text.encode("utf-8"))
-    return self.tokenizer.encode(text).ids
-
-  def decode(self, ids: Sequence[int]) -> str:
-    """The text (a character cut by the end of `ids` shows as U+FFFD)."""
-    data = (bytes(int(i) for i in ids) if self.tokenizer is None
-            else tokenizer_lib.decode_bytes(self.tokenizer, ids))
-    return data.decode("utf-8", errors="replace")
+def text_codec(run: runs.Run) -> Optional[tokenizer_lib.TextCodec]:
+  """The run's text codec (bytes or its BPE, checked against the SHA-256
+  in its config); None for runs that are not on text (token ids)."""
+  from data import pipeline  # pylint: disable=g-import-not-at-top
+  if run.config.data.name != "text_files":
+    return None
+  data = pipeline.DataConfig.from_config(run.config.data).resolve(
+      pipeline.resolve_data_dir(run.config.data, run.workdir))
+  return tokenizer_lib.TextCodec(
+      data.dataset.tokenizer_path if data.dataset.is_bpe else "")
 
 
-def parse_prompt(prompt: str, codec: Optional[TextCodec]) -> list[int]:
+def parse_prompt(prompt: str, codec: Optional[tokenizer_lib.TextCodec]
+                 ) -> list[int]:
   """The prompt's token ids: encoded text, or integers (no codec).
 
   Raises:
@@ -99,7 +83,8 @@ def parse_prompt(prompt: str, codec: Optional[TextCodec]) -> list[int]:
   return ids
 
 
-def format_tokens(ids: Sequence[int], codec: Optional[TextCodec]) -> str:
+def format_tokens(ids: Sequence[int],
+                  codec: Optional[tokenizer_lib.TextCodec]) -> str:
   if codec is not None:
     return codec.decode(ids)
   return " ".join(str(i) for i in ids)
@@ -119,7 +104,7 @@ def _sampling() -> decoding.SamplingConfig:
 def continue_prompt(run: runs.Run, prompt: str, max_new_tokens: int,
                     max_len: Optional[int]) -> str:
   """The continuation of `prompt`, formatted."""
-  codec = TextCodec.for_run(run)
+  codec = text_codec(run)
   ids = parse_prompt(prompt, codec)
   max_len = max_len or len(ids) + max_new_tokens - 1
   if len(ids) > max_len:

@@ -11,7 +11,6 @@ import tensorflow as tf
 
 from data import delayed_copy, packing, pipeline, text_files
 from data import tokenizer as tokenizer_lib
-from experiments import bench_data
 from kda_lm import testing
 from kda_lm import workdir as workdir_lib
 
@@ -228,15 +227,15 @@ def test_piece_shuffle_gives_an_iid_stream_that_resumes(tmp_path):
                    piece_shuffle_buffer=64)
   documents, _ = pipeline.load_documents(config, "train",
                                          data_dir=str(tmp_path / "tfds"))
-  index = bench_data.piece_index(
+  index = testing.piece_index(
       (d["tokens"] for d in documents.as_numpy_iterator()), SEQ_LEN)
   data_dir = str(tmp_path / "tfds")
   it = _train(config, data_dir)
   rows = _rows_of(_take(it, 10))
-  stream = bench_data.row_continuity(rows, index)
+  stream = testing.row_continuity(rows, index)
   assert stream["continuing"] <= 0.1, stream
   # Without the piece shuffle, rows walk through one file at a time.
-  ordered = bench_data.row_continuity(_rows_of(_take(
+  ordered = testing.row_continuity(_rows_of(_take(
       _train(_config(**{**config, "piece_shuffle_buffer": 0}), data_dir),
       10)), index)
   assert ordered["continuing"] >= 0.5, ordered

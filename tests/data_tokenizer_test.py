@@ -93,3 +93,17 @@ def test_settings_build_once_and_check_the_checksum(corpus, tmp_path):
     text_files.Settings(tokenizer="bpe", bpe_vocab_size=256)
   with pytest.raises(ValueError, match="tokenizer must be one of"):
     text_files.Settings(tokenizer="words")
+
+
+def test_text_codec_bpe_and_bytes(corpus, tmp_path):
+  root, texts = corpus
+  path = str(tmp_path / "tokenizer.json")
+  tokenizer_lib.train_for_files(_paths(root, texts), vocab_size=VOCAB,
+                                seed=0, path=path)
+  bpe, raw = tokenizer_lib.TextCodec(path), tokenizer_lib.TextCodec()
+  text = texts["f1.txt"]
+  ids = bpe.encode(text)
+  assert len(ids) < len(text.encode()) and max(ids) < VOCAB
+  assert bpe.decode(ids) == text
+  assert raw.encode("é") == [0xC3, 0xA9]
+  assert raw.decode([0xC3, 0xA9, 0xC3]) == "é\ufffd"   # A cut character.
