@@ -201,6 +201,49 @@ def _pack_window(batch: dict[str, Any], seq_len: int, has_mask: bool,
   }
 
 
+def split_documents(documents: tf.data.Dataset, seq_len: int
+                    ) -> tf.data.Dataset:
+  """Cuts documents into the pieces `pack_documents` would make of them.
+
+  Piece `k` of a document holds tokens `[k * seq_len, (k + 1) * seq_len]`
+  (`seq_len + 1` tokens, the last piece fewer): consecutive pieces share one
+  token, so each piece has the same `seq_len` input/target pairs as the
+  packer's piece `k`, and packing the pieces as documents gives the same
+  segments, positions and loss masks. Documents with fewer than 2 tokens
+  give no piece.
+
+  Args:
+    documents: dataset of dicts with `tokens` [L] and optionally
+      `loss_mask` [L] (other keys are dropped).
+    seq_len: row length (pairs per piece), >= 2.
+
+  Returns:
+    A dataset of such dicts, one piece each, in document order.
+
+  Raises:
+    ValueError, TypeError: as `pack_documents`.
+  """
+  if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+    raise ValueError(f"seq_len must be an int >= 2, got {seq_len!r}.")
+  has_mask = _check_spec(documents.element_spec)
+  keys = ("tokens", "loss_mask") if has_mask else ("tokens",)
+
+  def pieces(doc):
+    if not isinstance(doc, dict):
+      doc = {"tokens": doc}
+    doc = {k: _dense(doc[k]) for k in keys}
+    length = tf.shape(doc["tokens"], out_type=tf.int32)[0]
+    pairs = tf.maximum(length - 1, 0)
+    starts = tf.range((pairs + seq_len - 1) // seq_len) * seq_len
+    index = tf.ragged.range(starts, tf.minimum(starts + seq_len + 1, length),
+                            row_splits_dtype=tf.int32)
+    return {k: tf.gather(doc[k], index) for k in keys}
+
+  # Each document becomes a ragged batch of its pieces, then one element per
+  # piece (cheaper per document than a dataset per document).
+  return documents.map(pieces).unbatch()
+
+
 def pack_documents(documents: tf.data.Dataset,
                    seq_len: int,
                    *,

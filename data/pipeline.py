@@ -4,7 +4,7 @@ Interface used by the training code:
 
   from data import pipeline
   config.data = pipeline.default_config()          # in the config file
-  vocab = pipeline.vocab_size(config.data)         # 256 for text_files
+  vocab = pipeline.vocab_size(config.data)         # 256 for text bytes
   train_it = pipeline.make_train_iterator(config.data, workdir=workdir)
   batch = next(train_it)
   train_it.save(ckpt_dir)
@@ -21,19 +21,25 @@ int32 `inputs`, `targets`, `segment_ids` (1..n per document piece in a row,
 
 `config.data` is one flat section: the fields of `DataConfig` (dataset
 `name`, `data_dir`, `seq_len`, global `batch_size`, shuffle `seed`,
-`reset_at_document_boundaries`, `shuffle_buffer`, `pack_window_rows`) and
-those of every dataset's `Settings` (`data/delayed_copy.py`:
-`vocab_size`, `delay`, `min_len`, `max_len`, `num_train_docs`,
-`num_eval_docs`, `dataset_seed`; `data/text_files.py`: `glob`,
-`validation_percent`). `DataConfig.from_config` reads it once, validated; a
-new dataset is a module with a `Settings` class and an entry in `DATASETS`.
+`reset_at_document_boundaries`, `shuffle_buffer`, `piece_shuffle_buffer`,
+`pack_window_rows`) and those of every dataset's `Settings`
+(`data/delayed_copy.py`: `vocab_size`, `delay`, `min_len`, `max_len`,
+`num_train_docs`, `num_eval_docs`, `dataset_seed`; `data/text_files.py`:
+`glob`, `validation_percent`, `tokenizer`, `bpe_vocab_size`,
+`tokenizer_seed`, `tokenizer_path`, `tokenizer_sha256`).
+`DataConfig.from_config` reads it once, validated; a new dataset is a module
+with a `Settings` class (and its `resolve(data_dir)`, which builds and
+identifies what the dataset needs besides TFDS, such as a tokenizer) and an
+entry in `DATASETS`.
 Datasets are built on first use, offline, under `data_dir` (None:
 `<workdir>/tfds`).
 
 Training stream: the process's shard of the train split (TFDS even split by
 `jax.process_index()/process_count()`), shuffled with `seed` (a new order each
-epoch, the same sequence for the same seed), repeated forever, packed, batched
-and prefetched. Everything is a tf.data graph (no Python generators), so the
+epoch, the same sequence for the same seed), repeated forever, cut into
+row-sized pieces that are shuffled again (`piece_shuffle_buffer`, so that
+consecutive rows come from different documents), packed, batched and
+prefetched. Everything is a tf.data graph (no Python generators), so the
 iterator's position, buffers included, is saved with `tf.train.Checkpoint`.
 The eval stream is the process's shard of the validation split, in file
 order, packed and batched; its last batch is padded with empty rows
@@ -42,6 +48,7 @@ batches so that all processes run the same number of eval steps.
 """
 
 import dataclasses
+import json
 import os
 from typing import Any, Iterator, Optional
 
@@ -52,6 +59,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from data import delayed_copy, packing, text_files
+from data import tokenizer as tokenizer_lib
 from kda_lm import config as config_lib
 
 # The datasets by `config.data.name`: each module's `Settings` dataclass
@@ -76,6 +84,10 @@ class DataConfig:
   # Per-document segment ids/resets (True) or one segment per row (False).
   reset_at_document_boundaries: bool = True
   shuffle_buffer: int = 1024      # Documents in the shuffle buffer.
+  # Training stream: documents are cut into row-sized pieces and the pieces
+  # shuffled again in a buffer of this many, so that consecutive rows come
+  # from different documents (0 = pieces in document order).
+  piece_shuffle_buffer: int = 1024
   pack_window_rows: int = 64      # Rows' worth of documents packed together.
   # The named dataset's settings (not a config key; see `from_config`).
   dataset: Any = dataclasses.field(default=None, compare=False,
@@ -91,6 +103,10 @@ class DataConfig:
     if self.name not in DATASETS:
       raise ValueError(f"Unknown dataset name {self.name!r}; known: "
                        f"{tuple(DATASETS)}.")
+    for name in ("shuffle_buffer", "piece_shuffle_buffer"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"config.data.{name} must be >= 0, got "
+                         f"{getattr(self, name)}.")
     if self.dataset is None:
       object.__setattr__(self, "dataset", DATASETS[self.name]())
 
@@ -121,6 +137,11 @@ class DataConfig:
   def vocab_size(self) -> int:
     """The number of token ids of the named dataset."""
     return self.dataset.data_vocab_size()
+
+  def resolve(self, data_dir: str) -> "DataConfig":
+    """This config with the dataset's files (the BPE tokenizer) built and
+    identified (see `text_files.Settings.resolve`)."""
+    return dataclasses.replace(self, dataset=self.dataset.resolve(data_dir))
 
 
 def keys() -> list[str]:
@@ -185,6 +206,65 @@ def resolve_data_dir(config: Any, workdir: str | None = None,
   return os.path.abspath(os.path.expanduser(path))
 
 
+def resolve_config(config: ml_collections.ConfigDict, workdir: str
+                   ) -> ml_collections.ConfigDict:
+  """`config` (the whole run config) with the data's tokenizer recorded.
+
+  For BPE `text_files` runs, builds the tokenizer if needed (once per data
+  dir) and sets `config.data.tokenizer_path` and `tokenizer_sha256`, so that
+  the run's `config.json` names the exact tokenizer. When the path is unset,
+  the one recorded in `<workdir>/config.json` (a run being resumed) is used.
+
+  Args:
+    config: the run config; not modified.
+    workdir: the run directory.
+
+  Returns:
+    A copy of `config` with the two keys filled in (unchanged otherwise).
+
+  Raises:
+    text_files.TokenizerChangedError: the tokenizer file's checksum differs
+      from the one given.
+  """
+  cfg = DataConfig.from_config(config.data)
+  if not getattr(cfg.dataset, "is_bpe", False):
+    return config
+  config = ml_collections.ConfigDict(config.to_dict())
+  if not config.data.get("tokenizer_path"):
+    config.data.tokenizer_path = _recorded(workdir, "tokenizer_path")
+  settings = DataConfig.from_config(config.data).resolve(
+      resolve_data_dir(config.data, workdir)).dataset
+  config.data.tokenizer_path = settings.tokenizer_path
+  config.data.tokenizer_sha256 = settings.tokenizer_sha256
+  return config
+
+
+def token_bytes(config: Any, data_dir: str) -> np.ndarray:
+  """UTF-8 bytes per token id `[vocab]` (1 for byte-level data, 0 for ids
+  past the tokenizer's), for losses per byte. Delayed copy: all ones.
+
+  Raises:
+    As `text_files.Settings.resolve`.
+  """
+  cfg = DataConfig.from_config(config).resolve(data_dir)
+  lengths = np.ones(cfg.vocab_size(), np.float32)
+  if getattr(cfg.dataset, "is_bpe", False):
+    pieces = tokenizer_lib.token_bytes(
+        tokenizer_lib.load(cfg.dataset.tokenizer_path))
+    lengths[:] = 0
+    lengths[:len(pieces)] = [len(p) for p in pieces]
+  return lengths
+
+
+def _recorded(workdir: str, key: str) -> str:
+  """`data.<key>` of `<workdir>/config.json`, or "" (none recorded)."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    return ""
+  with open(path, encoding="utf-8") as f:
+    return json.load(f).get("data", {}).get(key) or ""
+
+
 def hide_gpus_from_tf() -> None:
   """Keeps TF (the input pipeline) off the accelerators, whose memory is
   JAX's. The only place that does; called before any TF dataset is built."""
@@ -234,7 +314,7 @@ def load_documents(config: Any,
   if split not in ("train", "validation"):
     raise ValueError(f"Unknown split {split!r}; use 'train' or 'validation'.")
   hide_gpus_from_tf()
-  cfg = DataConfig.from_config(config)
+  cfg = DataConfig.from_config(config).resolve(data_dir)
   sub_split = tfds.even_splits(split, n=process_count)[process_index]
   tfds.disable_progress_bar()
   documents, info = tfds.load(
@@ -374,14 +454,19 @@ def _stream(config: Any, split: str, *, shuffle_seed: int | None = None,
   documents, info = load_documents(
       cfg, split, data_dir=resolve_data_dir(cfg, workdir, data_dir),
       process_index=process_index, process_count=process_count)
+  mean_length = cfg.dataset.mean_length(info, split)
   if shuffle_seed is not None:
     if cfg.shuffle_buffer > 0:
       documents = documents.shuffle(cfg.shuffle_buffer, seed=shuffle_seed,
                                     reshuffle_each_iteration=True)
     documents = documents.repeat()
-  # Documents per packing window: about `pack_window_rows` rows of tokens.
-  window = cfg.pack_window_rows * seq_len / max(
-      cfg.dataset.mean_length(info, split), 1.0)
+    if cfg.piece_shuffle_buffer > 0:
+      # Pieces of long documents go to random places in the stream.
+      documents = packing.split_documents(documents, seq_len).shuffle(
+          cfg.piece_shuffle_buffer, seed=shuffle_seed + 1)
+      mean_length = min(mean_length, seq_len + 1.0)
+  # Documents (pieces) per packing window: about `pack_window_rows` rows.
+  window = cfg.pack_window_rows * seq_len / max(mean_length, 1.0)
   rows = packing.pack_documents(
       documents, seq_len,
       reset_at_document_boundaries=bool(cfg.reset_at_document_boundaries),

@@ -1,7 +1,16 @@
-"""TFDS builder `text_files`: a byte-level corpus of local files.
+"""TFDS builder `text_files`: a corpus of local files, bytes or BPE tokens.
 
-One document per file whose path matches a glob (`**` recurses); its tokens
-are the file's raw bytes (vocabulary 256, no tokenizer). The default glob is
+One document per file whose path matches a glob (`**` recurses). With
+`tokenizer="bytes"` its tokens are the file's raw bytes (vocabulary 256);
+with `tokenizer="bpe"` they are the ids of a byte-level BPE
+(`data/tokenizer.py`, at most `bpe_vocab_size` ids) trained on this corpus's
+training split, built once per data dir under
+`<data_dir>/tokenizers/<corpus>_bpe<V>_seed<S>/tokenizer.json` (or any
+byte-level `tokenizer.json` given as `tokenizer_path`). No end-of-document
+token is added: a document is its file's tokens, and the packer keeps
+targets inside it. BPE takes text, so files that are not valid UTF-8 are
+left out of the BPE dataset (logged; 4 of the standard library's 1790
+files). The default glob is
 the `.py` files of the running Python's standard library (excluding
 `site-packages`/`dist-packages`), which exist on every machine, so the project
 has a real language-modelling task offline.
@@ -11,14 +20,17 @@ fixed prefix falls below `validation_percent`, else to `train`: the split of a
 file does not depend on the other files or on where the tree is installed.
 
 The config name carries a hash of the glob and of the matched files' relative
-paths, sizes and modification times, so changed files build a new dataset
-instead of reading a stale one.
+paths, sizes and modification times (and the tokenizer's SHA-256), so changed
+files or another tokenizer build a new dataset instead of reading a stale
+one.
 
 Usage:
 
   import tensorflow_datasets as tfds
   from data import text_files
   config = text_files.make_config(glob="/path/to/corpus/**/*.txt")
+  # BPE: settings = text_files.Settings(tokenizer="bpe").resolve(data_dir)
+  #      config = settings.builder_config()
   ds = tfds.load("text_files", split="train", data_dir=data_dir,
                  builder_kwargs={"config": config})
 """
@@ -36,9 +48,12 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from data import builders
+from data import tokenizer as tokenizer_lib
 
 SPLITS = ("train", "validation")
 VOCAB_SIZE = 256
+TOKENIZERS = ("bytes", "bpe")
+_ENCODE_FILES = 64   # Files tokenized together (in parallel threads).
 _EXCLUDED_DIRS = ("site-packages", "dist-packages")
 
 
@@ -146,12 +161,25 @@ def split_files(files: list[tuple[str, str]], validation_percent: int
           "validation": by_name(ranked[:num_val])}
 
 
+class TokenizerChangedError(ValueError):
+  """A tokenizer file is not the one the config records."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """The `config.data` fields of the text_files dataset, validated (the one
   home of its defaults)."""
   glob: str = ""                  # Files ("" = the stdlib's .py files).
   validation_percent: int = 5     # % of files for validation, in [1, 99].
+  tokenizer: str = "bytes"        # "bytes" (256 ids) or "bpe".
+  bpe_vocab_size: int = 4096      # BPE: token ids (the model's vocabulary).
+  tokenizer_seed: int = 0         # BPE: picks the files merges are learnt on.
+  # BPE: a byte-level tokenizer.json; "" = the one built (once) for this
+  # corpus under <data_dir>/tokenizers. Where it lives may change on resume.
+  tokenizer_path: str = ""
+  # BPE: its SHA-256; "" = filled in when the run starts. A resume with a
+  # tokenizer of another checksum is refused (it changes the data).
+  tokenizer_sha256: str = ""
 
   # Features each document carries into the pipeline.
   FEATURES = ("tokens",)
@@ -161,20 +189,95 @@ class Settings:
         1 <= self.validation_percent <= 99):
       raise ValueError(f"text_files validation_percent must be an int in "
                        f"[1, 99], got {self.validation_percent!r}.")
+    if self.tokenizer not in TOKENIZERS:
+      raise ValueError(f"text_files tokenizer must be one of {TOKENIZERS}, "
+                       f"got {self.tokenizer!r}.")
+    if self.tokenizer == "bpe":
+      tokenizer_lib.check_vocab_size(self.bpe_vocab_size)
+
+  @property
+  def is_bpe(self) -> bool:
+    return self.tokenizer == "bpe"
 
   def data_vocab_size(self) -> int:
-    return VOCAB_SIZE
+    return self.bpe_vocab_size if self.is_bpe else VOCAB_SIZE
 
   def mean_length(self, info: Any, split: str) -> float:
-    """Mean document length (bytes) of a split, for the packing window."""
+    """Mean document length (tokens) of a split, for the packing window."""
     split_info = info.splits[split]
-    return split_info.num_bytes / max(split_info.num_examples, 1)
+    token_bytes = 2 if self.is_bpe else 1   # uint16 ids or bytes.
+    return split_info.num_bytes / token_bytes / max(
+        split_info.num_examples, 1)
+
+  def default_tokenizer_path(self, data_dir: str) -> str:
+    """Where the tokenizer of this corpus, size and seed is built."""
+    corpus = make_config(glob=self.glob,
+                         validation_percent=self.validation_percent).name
+    return os.path.join(
+        data_dir, "tokenizers",
+        f"{corpus}_bpe{self.bpe_vocab_size}_seed{self.tokenizer_seed}",
+        "tokenizer.json")
+
+  def resolve(self, data_dir: str) -> "Settings":
+    """These settings with the BPE tokenizer's path and checksum filled in.
+
+    Builds the corpus's tokenizer if `tokenizer_path` is unset and it does
+    not exist yet; a no-op for bytes.
+
+    Args:
+      data_dir: the TFDS data dir (the default tokenizer lives under it).
+
+    Returns:
+      Settings with an absolute `tokenizer_path` and its `tokenizer_sha256`.
+
+    Raises:
+      FileNotFoundError: a given `tokenizer_path` does not exist.
+      TokenizerChangedError: the file's SHA-256 differs from
+        `tokenizer_sha256`.
+      ValueError: not a byte-level tokenizer, or more ids than
+        `bpe_vocab_size`.
+    """
+    if not self.is_bpe:
+      return self
+    path = self.tokenizer_path or self.default_tokenizer_path(data_dir)
+    path = os.path.abspath(os.path.expanduser(path))
+    if not self.tokenizer_path and not os.path.exists(path):
+      train_files = split_files(_pattern_files(self.glob),
+                                self.validation_percent)["train"]
+      tokenizer_lib.train_for_files(
+          [f[0] for f in train_files], vocab_size=self.bpe_vocab_size,
+          seed=self.tokenizer_seed, path=path)
+    tok = tokenizer_lib.load(path)
+    digest = tokenizer_lib.sha256(path)
+    if self.tokenizer_sha256 and digest != self.tokenizer_sha256:
+      raise TokenizerChangedError(
+          f"The tokenizer {path} has SHA-256 {digest}, but the config "
+          f"records {self.tokenizer_sha256} (config.data.tokenizer_sha256): "
+          "the file changed since the run started. Restore it, or start a "
+          "new run (another --workdir).")
+    if tok.get_vocab_size() > self.bpe_vocab_size:
+      raise ValueError(
+          f"The tokenizer {path} has {tok.get_vocab_size()} tokens, more "
+          f"than config.data.bpe_vocab_size={self.bpe_vocab_size}.")
+    return dataclasses.replace(self, tokenizer_path=path,
+                               tokenizer_sha256=digest)
 
   def builder_config(self) -> "TextFilesConfig":
     """The TFDS builder config for the files matching `glob`, named after
-    them (see `make_config`)."""
+    them (see `make_config`).
+
+    Raises:
+      ValueError: BPE settings that were not `resolve`d.
+    """
+    if self.is_bpe and not (self.tokenizer_path and self.tokenizer_sha256):
+      raise ValueError("text_files with tokenizer='bpe' needs its tokenizer "
+                       "resolved first (Settings.resolve(data_dir)).")
     return make_config(glob=self.glob,
-                       validation_percent=self.validation_percent)
+                       validation_percent=self.validation_percent,
+                       tokenizer_path=self.tokenizer_path if self.is_bpe
+                       else "",
+                       tokenizer_sha256=self.tokenizer_sha256 if self.is_bpe
+                       else "")
 
 
 @dataclasses.dataclass(eq=False)
@@ -183,10 +286,19 @@ class TextFilesConfig(tfds.core.BuilderConfig):
   glob: str = Settings.glob
   validation_percent: int = Settings.validation_percent
   exclude_installed: bool = True
+  tokenizer_path: str = ""        # "" = bytes.
+  tokenizer_sha256: str = ""
+
+
+def _pattern_files(glob: str | None) -> list[tuple[str, str]]:
+  """The non-empty files of a glob ("" = the stdlib's `.py` files)."""
+  pattern = os.path.expanduser(glob) if glob else default_glob()
+  return document_files(pattern, exclude_installed=not glob)
 
 
 def make_config(*, glob: str | None = None,
-                validation_percent: int = Settings.validation_percent
+                validation_percent: int = Settings.validation_percent,
+                tokenizer_path: str = "", tokenizer_sha256: str = ""
                 ) -> TextFilesConfig:
   """Returns a config for the files matching `glob`, named after them.
 
@@ -194,40 +306,50 @@ def make_config(*, glob: str | None = None,
     glob: files to read, one document each; None or "" means the standard
       library's `.py` files (without installed packages).
     validation_percent: share of files in the validation split, in [1, 99].
+    tokenizer_path: a byte-level BPE `tokenizer.json`; "" = bytes.
+    tokenizer_sha256: its SHA-256 (names the dataset; checked when built).
 
   Returns:
     A `TextFilesConfig`.
 
   Raises:
     ValueError: the glob matches fewer than 2 non-empty files, or a bad
-      percentage.
+      percentage, or a tokenizer path without its checksum.
   """
   Settings(glob=glob or "", validation_percent=validation_percent)
+  if bool(tokenizer_path) != bool(tokenizer_sha256):
+    raise ValueError("text_files: give tokenizer_path and tokenizer_sha256 "
+                     "together.")
   exclude_installed = not glob
   pattern = os.path.expanduser(glob) if glob else default_glob()
-  files = document_files(pattern, exclude_installed=exclude_installed)
+  files = _pattern_files(glob)
   split_files(files, validation_percent)  # Fails early on a single file.
   digest = hashlib.sha256(f"{pattern}\0{exclude_installed}".encode("utf-8"))
   for path, relpath in files:
     stat = os.stat(path)
     digest.update(f"\0{relpath}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
   name = f"{digest.hexdigest()[:16]}_p{validation_percent}"
+  if tokenizer_sha256:
+    name += f"_bpe{tokenizer_sha256[:16]}"
   return TextFilesConfig(
       name=name,
       description=f"{len(files)} files matching {pattern}",
       glob=pattern,
       validation_percent=validation_percent,
-      exclude_installed=exclude_installed)
+      exclude_installed=exclude_installed,
+      tokenizer_path=tokenizer_path,
+      tokenizer_sha256=tokenizer_sha256)
 
 
 class TextFiles(builders.LocalBuilder):
-  """Byte-level documents, one per local file matched by a glob."""
+  """Documents (bytes or BPE ids), one per local file matched by a glob."""
 
   BUILDER_CONFIGS = [TextFilesConfig(name="stdlib",
                                      description="standard library .py")]
 
   def _features(self) -> dict[str, Any]:
-    return {"tokens": builders.tensor(np.uint8),
+    bpe = bool(self.builder_config.tokenizer_sha256)
+    return {"tokens": builders.tensor(np.uint16 if bpe else np.uint8),
             "path": tfds.features.Text()}
 
   def _split_generators(self, dl_manager):
@@ -240,8 +362,39 @@ class TextFiles(builders.LocalBuilder):
     return {split: self._generate_examples(splits[split]) for split in SPLITS}
 
   def _generate_examples(self, files: list[tuple[str, str]]):
-    for path, relpath in files:
+    config = self.builder_config
+    if not config.tokenizer_sha256:
+      for path, relpath in files:
+        with open(path, "rb") as f:
+          data = f.read()
+        yield relpath, {"tokens": np.frombuffer(data, np.uint8),
+                        "path": relpath}
+      return
+    yield from _bpe_examples(files, config)
+
+
+def _bpe_examples(files: list[tuple[str, str]], config: TextFilesConfig):
+  """`(key, example)` pairs of BPE-tokenized UTF-8 files."""
+  digest = tokenizer_lib.sha256(config.tokenizer_path)
+  if digest != config.tokenizer_sha256:
+    raise TokenizerChangedError(
+        f"The tokenizer {config.tokenizer_path} has SHA-256 {digest}, not "
+        f"{config.tokenizer_sha256}.")
+  tok = tokenizer_lib.load(config.tokenizer_path)
+  skipped = 0
+  for start in range(0, len(files), _ENCODE_FILES):
+    chunk, texts = [], []
+    for path, relpath in files[start:start + _ENCODE_FILES]:
       with open(path, "rb") as f:
-        data = f.read()
-      yield relpath, {"tokens": np.frombuffer(data, np.uint8),
+        text = tokenizer_lib.decode_utf8(f.read())
+      if text is None:
+        skipped += 1
+        continue
+      chunk.append(relpath)
+      texts.append(text)
+    for relpath, encoding in zip(chunk, tok.encode_batch(texts), strict=True):
+      yield relpath, {"tokens": np.asarray(encoding.ids, np.uint16),
                       "path": relpath}
+  if skipped:
+    logging.info("text_files: left %d files that are not UTF-8 out of the "
+                 "BPE dataset.", skipped)

@@ -1,7 +1,8 @@
 r"""Validation loss, accuracy and perplexity, per document and packed.
 
 `python -m kda_lm.evaluate --workdir=runs/ling3_tiny` loads the run's config
-and newest checkpoint and evaluates the whole validation split three ways:
+and newest checkpoint and evaluates the whole validation split three ways
+(per token and per byte):
 
 * per document: every document alone in its row (no packing; the row's tail
   is padding, segment id 0), split into `seq_len`-pair pieces exactly as
@@ -14,8 +15,11 @@ and newest checkpoint and evaluates the whole validation split three ways:
 
 The first two must agree (to float32 summation order, ~1e-6 relative): that
 is what segment ids are for. The third shows how far packing without resets
-drifts. Loss is the mean cross-entropy over `loss_mask` targets, accuracy
-the argmax hit rate, perplexity `exp(loss)`.
+drifts. Loss is the mean cross-entropy over `loss_mask` targets (nats per
+token), accuracy the argmax hit rate, perplexity `exp(loss)`; bits per byte
+divide the same cross-entropy by the UTF-8 bytes the targets stand for (a
+BPE token's bytes; 1 per byte-level token), so that runs with different
+tokenizers compare.
 """
 
 import math
@@ -85,31 +89,45 @@ def _stack(rows: list[dict[str, np.ndarray]]) -> Batch:
   return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
-def make_eval_step(model_config: Any):
-  """A jitted `(params, batch) -> [loss_sum, correct, weight]`."""
+def make_eval_step(model_config: Any, token_bytes: Any = None):
+  """A jitted `(params, batch) -> [loss_sum, correct, weight, bytes]`.
+
+  Args:
+    model_config: the `model` section.
+    token_bytes: float `[vocab]` bytes per token id (`pipeline.token_bytes`);
+      None counts one byte per token.
+  """
   model = model_lib.build(model_config)
+  nbytes = (None if token_bytes is None
+            else jnp.asarray(token_bytes, jnp.float32))
 
   def step(params, batch):
     logits = model.apply(params, batch["inputs"], batch["segment_ids"],
                          batch["positions"])
-    return jnp.stack(losses.loss_terms(logits, batch))
+    loss_sum, correct, weight = losses.loss_terms(logits, batch)
+    mask = batch["loss_mask"].astype(jnp.float32)
+    byte_count = weight if nbytes is None else (
+        nbytes[batch["targets"]] * mask).sum()
+    return jnp.stack([loss_sum, correct, weight, byte_count])
 
   return jax.jit(step)
 
 
 def score(eval_step, params: hk.Params, batches: Iterator[Batch],
           vocab_size: int) -> dict[str, float]:
-  """Mean loss, accuracy and perplexity over the batches' masked targets."""
-  total = np.zeros(3, np.float64)
+  """Mean loss, accuracy, perplexity and bits per byte over the batches'
+  masked targets."""
+  total = np.zeros(4, np.float64)
   for batch in batches:
     model_lib.check_tokens(batch["inputs"], vocab_size, "An eval batch")
     total += np.asarray(jax.device_get(eval_step(params, batch)), np.float64)
-  loss_sum, correct, weight = total
+  loss_sum, correct, weight, nbytes = total
   if weight == 0:
     raise ValueError("The validation split has no scored tokens.")
   loss = loss_sum / weight
   return {"loss": loss, "accuracy": correct / weight,
-          "perplexity": math.exp(loss), "tokens": weight}
+          "perplexity": math.exp(loss), "tokens": weight,
+          "bits_per_byte": loss_sum / max(nbytes, 1.0) / math.log(2)}
 
 
 def _documents(data_config, workdir, num_docs):
@@ -155,7 +173,8 @@ def evaluate_run(config: ml_collections.ConfigDict, params: hk.Params,
   data = config.data
   seq_len, batch_size = int(data.seq_len), int(data.batch_size)
   vocab = int(config.model.vocab_size)
-  eval_step = make_eval_step(config.model)
+  eval_step = make_eval_step(config.model, pipeline.token_bytes(
+      data, pipeline.resolve_data_dir(data, workdir)))
   docs = _documents(data, workdir, num_docs).as_numpy_iterator()
   results = {"per document": score(
       eval_step, params, per_document_batches(docs, seq_len, batch_size),
@@ -173,14 +192,14 @@ def format_table(results: dict[str, dict[str, float]]) -> str:
   """The results as a table, with the relative loss difference to the
   per-document row."""
   base = results["per document"]["loss"]
-  lines = [f"{'evaluation':<20} {'loss':>10} {'accuracy':>9} "
-           f"{'perplexity':>11} {'tokens':>8} {'loss vs per-doc':>16}",
-           "-" * 79]
+  lines = [f"{'evaluation':<20} {'loss':>10} {'bits/byte':>9} "
+           f"{'accuracy':>9} {'perplexity':>11} {'tokens':>8} "
+           f"{'loss vs per-doc':>16}", "-" * 89]
   for name, r in results.items():
     rel = (r["loss"] - base) / abs(base) if base else float("nan")
-    lines.append(f"{name:<20} {r['loss']:>10.6f} {100 * r['accuracy']:>8.2f}%"
-                 f" {r['perplexity']:>11.4f} {int(r['tokens']):>8d} "
-                 f"{rel:>+16.2e}")
+    lines.append(f"{name:<20} {r['loss']:>10.6f} {r['bits_per_byte']:>9.4f} "
+                 f"{100 * r['accuracy']:>8.2f}% {r['perplexity']:>11.4f} "
+                 f"{int(r['tokens']):>8d} {rel:>+16.2e}")
   return "\n".join(lines)
 
 

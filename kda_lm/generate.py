@@ -2,9 +2,11 @@ r"""Samples from a trained run: `python -m kda_lm.generate --workdir=...`.
 
 Loads `<workdir>/config.json` and the newest checkpoint, then either
 
-* continues `--prompt` (text for a byte-level `text_files` run, else token
-  ids separated by spaces or commas) and prints the continuation (bytes
-  decoded as UTF-8 text for the byte-level run), or
+* continues `--prompt` (text for a `text_files` run, encoded by its
+  tokenizer: bytes, or the run's BPE `tokenizer.json`, checked against the
+  SHA-256 in its config; else token ids separated by spaces or commas) and
+  prints the continuation (decoded back to text through the same
+  tokenizer), or
 * without `--prompt` on a delayed-copy run, prompts with the first `delay`
   tokens of held-out validation documents, generates the rest of each
   document greedily and prints `copy accuracy: NN.NN%` against the known
@@ -23,12 +25,13 @@ from typing import Optional, Sequence
 from absl import app, flags
 import numpy as np
 
-import kda_lm  # noqa: F401  (first: sets XLA:CPU flags before JAX starts)
+import kda_lm  # noqa: F401  # isort: skip  (first: XLA:CPU flags)
+from data import tokenizer as tokenizer_lib
 from kda_lm import decoding, runs
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run directory.")
 _PROMPT = flags.DEFINE_string(
-    "prompt", None, "Text (byte-level runs) or token ids; unset on a "
+    "prompt", None, "Text (text_files runs) or token ids; unset on a "
     "delayed-copy run: measure copy accuracy on validation documents.")
 _MAX_NEW = flags.DEFINE_integer(
     "max_new_tokens", 64, "Tokens to generate after --prompt.")
@@ -47,14 +50,27 @@ _BATCH = flags.DEFINE_integer("batch_size", 16,
                               "Copy accuracy: documents per batch.")
 
 
-def parse_prompt(prompt: str, byte_level: bool) -> list[int]:
-  """The prompt's token ids: UTF-8 bytes, or integers.
+def text_codec(run: runs.Run) -> Optional[tokenizer_lib.TextCodec]:
+  """The run's text codec (bytes or its BPE, checked against the SHA-256
+  in its config); None for runs that are not on text (token ids)."""
+  from data import pipeline  # pylint: disable=g-import-not-at-top
+  if run.config.data.name != "text_files":
+    return None
+  data = pipeline.DataConfig.from_config(run.config.data).resolve(
+      pipeline.resolve_data_dir(run.config.data, run.workdir))
+  return tokenizer_lib.TextCodec(
+      data.dataset.tokenizer_path if data.dataset.is_bpe else "")
+
+
+def parse_prompt(prompt: str, codec: Optional[tokenizer_lib.TextCodec]
+                 ) -> list[int]:
+  """The prompt's token ids: encoded text, or integers (no codec).
 
   Raises:
     ValueError: an empty prompt or a non-integer id.
   """
-  if byte_level:
-    ids = list(prompt.encode("utf-8"))
+  if codec is not None:
+    ids = codec.encode(prompt)
   else:
     parts = prompt.replace(",", " ").split()
     try:
@@ -67,9 +83,10 @@ def parse_prompt(prompt: str, byte_level: bool) -> list[int]:
   return ids
 
 
-def format_tokens(ids: Sequence[int], byte_level: bool) -> str:
-  if byte_level:
-    return bytes(ids).decode("utf-8", errors="replace")
+def format_tokens(ids: Sequence[int],
+                  codec: Optional[tokenizer_lib.TextCodec]) -> str:
+  if codec is not None:
+    return codec.decode(ids)
   return " ".join(str(i) for i in ids)
 
 
@@ -87,8 +104,8 @@ def _sampling() -> decoding.SamplingConfig:
 def continue_prompt(run: runs.Run, prompt: str, max_new_tokens: int,
                     max_len: Optional[int]) -> str:
   """The continuation of `prompt`, formatted."""
-  byte_level = run.config.data.name == "text_files"
-  ids = parse_prompt(prompt, byte_level)
+  codec = text_codec(run)
+  ids = parse_prompt(prompt, codec)
   max_len = max_len or len(ids) + max_new_tokens - 1
   if len(ids) > max_len:
     raise ValueError(f"The prompt has {len(ids)} tokens, more than "
@@ -98,7 +115,7 @@ def continue_prompt(run: runs.Run, prompt: str, max_new_tokens: int,
       decoder, run.params, [ids], max_new_tokens=max_new_tokens,
       sampling=_sampling(), end_token=_END_TOKEN.value,
       progress=functools.partial(_progress, rows=1))
-  return format_tokens(out[0], byte_level)
+  return format_tokens(out[0], codec)
 
 
 def validation_documents(run: runs.Run, num_docs: int) -> list[np.ndarray]:

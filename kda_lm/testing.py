@@ -1,5 +1,6 @@
-"""Helpers shared by the tests and the benchmarks: the error metric and
-random KDA inputs.
+"""Helpers shared by the tests and the benchmarks: the error metric,
+random KDA inputs, a small text corpus and the row-continuity measurement
+of packed streams.
 
 Error metric. `rel_err(a, b) = ||a - b||_2 / ||b||_2` over the whole array,
 in float64 (0 when both are exactly zero). A norm-wise error does not blow up
@@ -11,7 +12,8 @@ Inputs use FLA's test distributions; shapes follow `kda_lm.ops.chunk_kda`
 (B rows, T tokens, H heads, K key dim, V value dim, N documents).
 """
 
-from typing import Any
+import collections
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -126,3 +128,76 @@ def document_ids(rng: np.random.Generator, B: int, T: int, docs: int
     cuts = np.sort(rng.choice(np.arange(1, T), docs - 1, replace=False))
     ids[b] = np.searchsorted(cuts, np.arange(T), side="right") + 1
   return ids
+
+
+def write_text_corpus(root: str, num_files: int = 8) -> dict[str, str]:
+  """Writes a small UTF-8 text corpus for the text_files tests.
+
+  Files `f{i}.txt` under `root` mix ASCII code, non-ASCII text (accents,
+  CJK, an emoji), empty lines, tabs and a carriage return.
+
+  Returns:
+    `{file name: its text}`.
+  """
+  import os  # pylint: disable=g-import-not-at-top
+  os.makedirs(root, exist_ok=True)
+  lines = ["def f(x):", "    return x * 2", "", "# café — naïve ☕",
+           "\t名前 = 'データ'  # 🐍", "", "", "class A:\r", "  pass"]
+  out = {}
+  for i in range(num_files):
+    text = "\n".join(lines[i % 3:] + lines[:i % 3]) * (i + 1) + f"\n# {i}\n"
+    name = f"f{i}.txt"
+    with open(os.path.join(root, name), "w", encoding="utf-8",
+              newline="") as f:
+      f.write(text)
+    out[name] = text
+  return out
+
+
+def piece_index(documents: Iterable[np.ndarray], seq_len: int
+                ) -> dict[bytes, set[tuple[int, int, int]]]:
+  """Maps each piece's input tokens to its `(document, piece, pieces)`.
+
+  A piece is what the packer makes of a document: `seq_len` pairs starting
+  at pair `k * seq_len`; `pieces` is the document's number of pieces.
+  Identical pieces (copied files) map to every place they occur.
+  """
+  index = collections.defaultdict(set)
+  for d, tokens in enumerate(documents):
+    inputs = np.asarray(tokens, np.int32)[:-1]
+    starts = range(0, len(inputs), seq_len)
+    for k, start in enumerate(starts):
+      index[inputs[start:start + seq_len].tobytes()].add((d, k, len(starts)))
+  return index
+
+
+def _segment(row: dict[str, np.ndarray], segment: int) -> bytes:
+  return row["inputs"][row["segment_ids"] == segment].tobytes()
+
+
+def row_continuity(rows: Sequence[dict[str, np.ndarray]],
+                   index: dict[bytes, set[tuple[int, int, int]]]
+                   ) -> dict[str, float]:
+  """How often consecutive rows continue one document.
+
+  Args:
+    rows: consecutive packed rows (reset mode: per-document segment ids),
+      each a dict of `[seq_len]` int32 arrays.
+    index: `piece_index` of the split the rows come from.
+
+  Returns:
+    `continuing`: share of rows (after the first) whose first segment is the
+    next piece of a document whose piece ends the previous row;
+    `single_piece`: share of rows that are one piece of a document of
+    several pieces.
+  """
+  continuing = single = 0
+  previous = set()
+  for row in rows:
+    segments = int(row["segment_ids"].max())
+    first = index.get(_segment(row, 1), set())
+    continuing += any((d, k + 1, n) in first for d, k, n in previous)
+    single += segments == 1 and any(n > 1 for _, _, n in first)
+    previous = index.get(_segment(row, segments), set())
+  return {"continuing": continuing / max(len(rows) - 1, 1),
+          "single_piece": single / max(len(rows), 1)}

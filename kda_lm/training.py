@@ -524,6 +524,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
     os.makedirs(workdir, exist_ok=True)
     lock = workdir_lib.WorkdirLock(workdir)
   with lock:
+    # The BPE tokenizer (built once per data dir) is recorded by path and
+    # checksum in the run's config, and so checked on resume.
+    with distributed.main_process_first("kda_lm: tokenizer built"):
+      config = pipeline.resolve_config(config, workdir)
+    run_config = check_config(config)
     run = _Run(config, run_config, workdir, start_time)
     try:
       state = run.restore_or_init()

@@ -36,10 +36,12 @@ HISTORY_FILE = "config_history.jsonl"
 # starts a fresh stream under the new settings.
 MEANING_KEYS = ("model.", "data.")
 # Keys inside those sections that may change on resume without changing the
-# meaning of the saved state (where the data lives, kernel choice and
-# settings, the activations' dtype).
-SAFE_KEYS = ("data.data_dir", "model.kda_impl", "model.kda_chunk_size",
-             "model.compute_dtype")
+# meaning of the saved state (where the data and tokenizer live, kernel
+# choice and settings, the activations' dtype). A tokenizer is identified by
+# its checksum, `data.tokenizer_sha256`, a meaning key: another file, or a
+# rebuilt one, is refused.
+SAFE_KEYS = ("data.data_dir", "data.tokenizer_path", "model.kda_impl",
+             "model.kda_chunk_size", "model.compute_dtype")
 
 
 class WorkdirLockedError(RuntimeError):

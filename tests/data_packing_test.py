@@ -95,6 +95,21 @@ def test_exact_rows_plain_tokens_and_exact_fit():
   })
 
 
+def test_split_documents_exact_pieces_and_same_rows():
+  pieces = list(packing.split_documents(_dataset(DOCS, MASKS), 4)
+                .as_numpy_iterator())
+  # d2 (7 tokens, 6 pairs) -> tokens 0..4 and 4..6 (one token shared); d1
+  # (one token) gives no piece.
+  assert [p["tokens"].tolist() for p in pieces] == [
+      [1, 2, 3], [0, 6, 7, 8, 9], [9, 10, 11], [12, 13]]
+  assert [p["loss_mask"].tolist() for p in pieces] == [
+      [1, 0, 1], [1, 0, 1, 1, 1], [1, 1, 1], [0, 1]]
+  # Packed as documents, the pieces give exactly the rows of the documents
+  # (`test_exact_rows_first_fit`'s).
+  rows = _rows(packing.split_documents(_dataset(DOCS, MASKS), 4), 4)
+  _assert_rows(rows, _rows(_dataset(DOCS, MASKS), 4))
+
+
 def test_no_documents_no_rows():
   rows = list(packing.pack_documents(_dataset([[3], [4]]), 4))
   assert not rows

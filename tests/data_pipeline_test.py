@@ -1,12 +1,18 @@
 """Tests of data/pipeline.py: config -> packed numpy batches, checkpoints."""
 
 import logging
+import os
 import time
 
+import ml_collections
 import numpy as np
 import pytest
+import tensorflow as tf
 
-from data import delayed_copy, packing, pipeline
+from data import delayed_copy, packing, pipeline, text_files
+from data import tokenizer as tokenizer_lib
+from kda_lm import testing
+from kda_lm import workdir as workdir_lib
 
 SEQ_LEN = 32
 BATCH = 4
@@ -199,3 +205,115 @@ def test_glob_of_empty_files_fails_fast(tmp_path):
   with pytest.raises(ValueError, match="every matched file is empty"):
     _train(config, None, workdir=str(tmp_path))
   assert time.time() - start < 30
+
+
+def _long_files(corpus, num_files=8):
+  corpus.mkdir()
+  rng = np.random.default_rng(0)
+  for i in range(num_files):  # 12..19 pieces of 32 pairs each.
+    (corpus / f"f{i}.txt").write_bytes(
+        rng.integers(0, 256, 32 * (12 + i) + 5, dtype=np.uint8).tobytes())
+  return str(corpus / "*.txt")
+
+
+def _rows_of(batches):
+  return [{k: v[i] for k, v in b.items()} for b in batches
+          for i in range(len(b["inputs"]))]
+
+
+def test_piece_shuffle_gives_an_iid_stream_that_resumes(tmp_path):
+  config = _config(name="text_files", glob=_long_files(tmp_path / "c"),
+                   validation_percent=20, shuffle_buffer=8,
+                   piece_shuffle_buffer=64)
+  documents, _ = pipeline.load_documents(config, "train",
+                                         data_dir=str(tmp_path / "tfds"))
+  index = testing.piece_index(
+      (d["tokens"] for d in documents.as_numpy_iterator()), SEQ_LEN)
+  data_dir = str(tmp_path / "tfds")
+  it = _train(config, data_dir)
+  rows = _rows_of(_take(it, 10))
+  stream = testing.row_continuity(rows, index)
+  assert stream["continuing"] <= 0.1, stream
+  # Without the piece shuffle, rows walk through one file at a time.
+  ordered = testing.row_continuity(_rows_of(_take(
+      _train(_config(**{**config, "piece_shuffle_buffer": 0}), data_dir),
+      10)), index)
+  assert ordered["continuing"] >= 0.5, ordered
+  fill = np.mean([(r["segment_ids"] > 0).mean() for r in rows])
+  assert fill >= 0.9
+  # The piece buffer is part of the saved position.
+  it.save(str(tmp_path / "ckpt"))
+  expected = _take(it, 3)
+  resumed = _train(config, data_dir)
+  resumed.restore(str(tmp_path / "ckpt"))
+  _assert_same(_take(resumed, 3), expected)
+
+
+def test_bpe_documents_and_rows_exactly(tmp_path):
+  texts = testing.write_text_corpus(str(tmp_path / "c"))
+  config = _config(name="text_files", glob=str(tmp_path / "c" / "*.txt"),
+                   validation_percent=30, tokenizer="bpe",
+                   bpe_vocab_size=300, pack_window_rows=64)
+  data_dir = str(tmp_path / "tfds")
+  assert pipeline.vocab_size(config) == 300
+  docs, _ = pipeline.load_documents(config, "validation", data_dir=data_dir)
+  docs = list(docs.as_numpy_iterator())
+  cfg = pipeline.DataConfig.from_config(config).resolve(data_dir)
+  tok = tokenizer_lib.load(cfg.dataset.tokenizer_path)
+  names = [n for _, n in text_files.split_files(
+      [(n, n) for n in texts], 30)["validation"]]
+  # One file = one document, tokenized exactly (in the split's stored
+  # order), and it decodes back to the file.
+  ids = [d["tokens"].tolist() for d in docs]
+  assert sorted(ids) == sorted(tok.encode(texts[n]).ids for n in names)
+  assert sorted(tok.decode(i) for i in ids) == sorted(texts[n] for n in names)
+  # Rows: as the packer makes them of those token lists (one window).
+  expected = packing.pack_documents(
+      tf.data.Dataset.from_generator(
+          lambda: ({"tokens": np.asarray(i, np.int32)} for i in ids),
+          output_signature={"tokens": tf.TensorSpec([None], tf.int32)}),
+      SEQ_LEN, window_size=1000)
+  rows = _rows_of(list(_eval(config, data_dir)))
+  expected = list(expected.as_numpy_iterator())
+  expected += [{k: np.zeros_like(v) for k, v in expected[0].items()}] * (
+      len(rows) - len(expected))
+  _assert_same(rows, expected)
+  real = np.stack([r["segment_ids"] for r in rows]) > 0
+  assert (np.stack([r["inputs"] for r in rows])[real] < 300).all()
+
+
+def test_resume_reloads_the_recorded_tokenizer_and_refuses_another(
+    tmp_path):
+  testing.write_text_corpus(str(tmp_path / "c"))
+  run = ml_collections.ConfigDict({"data": _config(
+      name="text_files", glob=str(tmp_path / "c" / "*.txt"),
+      validation_percent=30, tokenizer="bpe", bpe_vocab_size=300)})
+  workdir = str(tmp_path / "run")
+  first = pipeline.resolve_config(run, workdir)
+  path = first.data.tokenizer_path
+  assert path.startswith(os.path.join(workdir, "tfds", "tokenizers"))
+  assert first.data.tokenizer_sha256 == tokenizer_lib.sha256(path)
+  assert not run.data.tokenizer_path     # The given config is not changed.
+  os.makedirs(workdir, exist_ok=True)
+  workdir_lib.write_config(workdir, first.to_dict(), step=0)
+
+  # A resume given no tokenizer path reloads the recorded one, unchanged,
+  # also when the data dir (and with it the default path) moves.
+  moved = ml_collections.ConfigDict(run.to_dict())
+  moved.data.data_dir = str(tmp_path / "elsewhere")
+  again = pipeline.resolve_config(moved, workdir)
+  assert again.data.tokenizer_path == path
+  assert not workdir_lib.check_resume(first.to_dict(), again.to_dict(),
+                                      step=5, allow_change=False)
+
+  # Another tokenizer in its place: refused as a change of the data.
+  tokenizer_lib.train_for_files(
+      [str(tmp_path / "c" / "f0.txt")], vocab_size=280, seed=0, path=path)
+  changed = pipeline.resolve_config(run, workdir)
+  with pytest.raises(workdir_lib.ConfigChangedError,
+                     match="data.tokenizer_sha256"):
+    workdir_lib.check_resume(first.to_dict(), changed.to_dict(), step=5,
+                             allow_change=False)
+  # A config that names the checksum refuses the file before anything runs.
+  with pytest.raises(text_files.TokenizerChangedError):
+    pipeline.resolve_config(first, workdir)

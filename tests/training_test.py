@@ -328,20 +328,27 @@ def test_unknown_and_bad_config_keys(data_dir):
     config.train.stepz = 3
 
 
-@pytest.mark.parametrize("variant,pattern,dataset", [
-    ("", "KKKM", "delayed_copy"), ("text", "KKKM", "text_files"),
-    ("kda_only", "KKKK", "delayed_copy"), ("mla_only", "MMMM", "delayed_copy"),
-    ("text,kda_only", "KKKK", "text_files")])
-def test_config_variants(variant, pattern, dataset):
+@pytest.mark.parametrize("variant,pattern,dataset,vocab", [
+    ("", "KKKM", "delayed_copy", 32), ("text", "KKKM", "text_files", 4096),
+    ("text_bytes", "KKKM", "text_files", 256),
+    ("kda_only", "KKKK", "delayed_copy", 32),
+    ("mla_only", "MMMM", "delayed_copy", 32),
+    ("text,kda_only", "KKKK", "text_files", 4096)])
+def test_config_variants(variant, pattern, dataset, vocab):
   config = ling3_tiny.get_config(variant)
   training.check_config(config)
   assert config.model.attention_pattern == pattern
   assert config.data.name == dataset
-  assert config.model.vocab_size == pipeline.vocab_size(config.data)
+  assert config.model.vocab_size == pipeline.vocab_size(config.data) == vocab
+  # Text rows come from shuffled pieces; delayed copy keeps its stream.
+  assert config.data.piece_shuffle_buffer == (1024 if "text" in variant
+                                              else 0)
   # The default delay is beyond the short-conv receptive field of the model.
   assert config.data.delay > len(pattern) * (config.model.conv_size - 1)
   with pytest.raises(ValueError, match="variant"):
     ling3_tiny.get_config("large")
+  with pytest.raises(ValueError, match="one of"):
+    ling3_tiny.get_config("text,text_bytes")
 
 
 def test_check_batch_names_bad_token():
