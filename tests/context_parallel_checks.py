@@ -112,7 +112,7 @@ def layer_errors(name, build, n=4):
   (_, y), g = res[n]
   return {name: {"y": testing.rel_err(y, y1), "grads": max(
       testing.rel_err(a, b)
-      for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g1)))}}
+      for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g1), strict=True))}}
 
 
 def tiny_model():
@@ -149,7 +149,7 @@ def model_errors(n=4):
   (_, ln), gn = res[n]
   out = {"logits": testing.rel_err(ln, l1), "grads": max(
       testing.rel_err(a, b)
-      for a, b in zip(jax.tree.leaves(gn), jax.tree.leaves(g1)))}
+      for a, b in zip(jax.tree.leaves(gn), jax.tree.leaves(g1), strict=True))}
   # Row 0's documents one at a time, each at the start of a padded row.
   alone, spans = [], []
   for doc in (1, 2):
