@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from kda_lm import ops, sharding
+from kda_lm.ops.kda import api
 
 P = jax.sharding.PartitionSpec
 CONTEXT_AXIS = sharding.CONTEXT_AXIS
@@ -97,9 +98,9 @@ def _row_spec(mesh) -> P:
   return P(_batch_axes(mesh) or None, CONTEXT_AXIS)
 
 
-def _shard_map(fn, in_specs, out_specs):
+def _shard_map(fn, in_specs, out_specs, check_vma=True):
   return jax.shard_map(fn, mesh=_mesh(), in_specs=in_specs,
-                       out_specs=out_specs)
+                       out_specs=out_specs, check_vma=check_vma)
 
 
 # ---------------------------------------------------------------------------
@@ -142,15 +143,16 @@ def _incoming_states(M_nBHKK, C_nBHKV, keep_nB, h0_BHKV):
   return jnp.stack(entering), state
 
 
-def _kda_local(q, k, v, g, beta, ids, h0, A_log, dt_bias, *, op_kwargs):
+def _kda_local(q, k, v, g, beta, ids, h0, A_log, dt_bias, *, op_kwargs,
+               check_vma):
   """One shard of `chunk_kda`: the widened pass, the exchange, `o0 + P X`."""
   B, _, H, K = q.shape
   V = v.shape[-1]
   v_aug = jnp.concatenate([v, jnp.zeros(v.shape[:3] + (K,), v.dtype)], -1)
   eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))
   h0_aug = jnp.concatenate([jnp.zeros((B, H, K, V), jnp.float32), eye], -1)
-  # A constant, but carried next to varying arrays inside the op's scans.
-  h0_aug = jax.lax.pcast(h0_aug, _row_axes(), to="varying")
+  if check_vma:  # A constant carried next to varying arrays in scans.
+    h0_aug = jax.lax.pcast(h0_aug, _row_axes(), to="varying")
   o_aug, st_aug = ops.chunk_kda(
       q, k, v_aug, g, beta, initial_state=h0_aug, output_final_state=True,
       segment_ids=ids, A_log=A_log, dt_bias=dt_bias, **op_kwargs)
@@ -193,7 +195,11 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
                      "segment_ids, not cu_seqlens.")
   B, T, H, K = q.shape
   check_shape(B, T, "chunk_kda")
-  if op_kwargs.get("impl") == "reference":
+  impl = api.resolve_impl(op_kwargs.get("impl", "auto"))
+  # Pallas calls declare outputs without varying-axis types: no vma check
+  # (shard_map then psums the cotangents of replicated inputs itself).
+  check_vma = impl != "pallas"
+  if impl == "reference":
     raise ValueError("chunk_kda under context parallelism needs impl "
                      "'xla', 'pallas' or 'auto' (the local passes reuse "
                      "the chunked op), not 'reference'.")
@@ -212,12 +218,13 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
     return _kda_local(
         q, k, v, g, beta, ids, h0,
         A_log if use_a else None,
-        dt_bias if use_dt else None, op_kwargs=op_kwargs)
+        dt_bias if use_dt else None, op_kwargs=op_kwargs,
+        check_vma=check_vma)
 
   stacked = P(CONTEXT_AXIS, _batch_axes(mesh) or None)
   o, final = _shard_map(local, (rows,) * 6 + (batch, P(), P()),
-                        (rows, stacked))(q, k, v, g, beta, ids, h0, A_log,
-                                         dt_bias)
+                        (rows, stacked), check_vma)(
+                            q, k, v, g, beta, ids, h0, A_log, dt_bias)
   return o, (final[-1] if output_final_state else None)
 
 

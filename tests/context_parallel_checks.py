@@ -24,6 +24,7 @@ from configs import ling3_tiny  # noqa: E402
 from kda_lm import context_parallel, sharding, testing  # noqa: E402
 from kda_lm import model as model_lib  # noqa: E402
 from kda_lm.layers import conv, mla  # noqa: E402
+from kda_lm.ops.kda import pallas  # noqa: E402
 
 T_OP = 128
 
@@ -51,8 +52,15 @@ def op_ids():
   return jnp.asarray(ids)
 
 
-def op_errors(gate, shards):
-  """Max relative errors of o, final state and each gradient vs n = 1."""
+def op_errors(gate, shards, impl="xla"):
+  """Relative errors of o, final state and each gradient vs n = 1.
+
+  impl "pallas" runs the kernels in interpret mode with chunk size 64.
+  """
+  settings = dict(impl="xla", chunk_size=16)
+  if impl == "pallas":
+    settings = dict(impl="pallas", chunk_size=64,
+                    pallas_options=pallas.for_platform("cpu"))
   rng = np.random.default_rng(0)
   params, static = testing.kda_inputs(rng, 2, T_OP, 2, 16, 16, gate=gate,
                                       l2norm=True)
@@ -63,8 +71,8 @@ def op_errors(gate, shards):
     o, state = context_parallel.chunk_kda(
         p["q"], p["k"], p["v"], p["g"], p["beta"], segment_ids=ids,
         initial_state=p["initial_state"], A_log=p.get("A_log"),
-        dt_bias=p.get("dt_bias"), output_final_state=True, chunk_size=16,
-        impl="xla", **static)
+        dt_bias=p.get("dt_bias"), output_final_state=True, **settings,
+        **static)
     return jnp.sum(o * do) + jnp.sum(state * dht), (o, state)
 
   step = jax.jit(jax.value_and_grad(loss, has_aux=True))
@@ -76,7 +84,7 @@ def op_errors(gate, shards):
   out = {}
   for n in shards:
     (_, (o, s)), g = results[n]
-    out[f"op_{gate}_{n}"] = {
+    out[f"op_{impl}_{gate}_{n}"] = {
         "o": testing.rel_err(o, o1), "final_state": testing.rel_err(s, s1),
         **{f"d{k}": testing.rel_err(g[k], g1[k]) for k in g1}}
   return out
@@ -200,6 +208,7 @@ def main():
   if which == "op":
     out.update(op_errors("safe", (4, 8)))
     out.update(op_errors("pre", (2,)))
+    out.update(op_errors("safe", (2,), impl="pallas"))
   else:
     out.update(layer_errors("conv", lambda: conv.ShortConvolution(
         4, with_bias=True)))

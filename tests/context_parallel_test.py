@@ -4,7 +4,8 @@ device, for the KDA op, the short convolution, MLA and the model.
 Fake CPU devices must exist before JAX starts, so the checks run in a
 subprocess (`context_parallel_checks.py`, one per group, each reusing its
 compiled functions) that prints the measured errors; the tests here hold
-them to the tolerances: forward 1e-5 relative, gradients 1e-4.
+them to the tolerances: forward 1e-5 relative, gradients 1e-4. The op runs
+with impl "xla" (chunk 16) and "pallas" (interpret mode, chunk 64).
 """
 
 import json
@@ -42,7 +43,8 @@ def layer_results():
   return _run_checks("layers")
 
 
-@pytest.mark.parametrize("case", ["op_safe_4", "op_safe_8", "op_pre_2"])
+@pytest.mark.parametrize("case", ["op_xla_safe_4", "op_xla_safe_8",
+                                  "op_xla_pre_2", "op_pallas_safe_2"])
 def test_chunk_kda_sharded_equals_one_device(op_results, case):
   errors = op_results[case]
   grads = {k for k in errors if k.startswith("d")}
