@@ -171,6 +171,25 @@ def _kda_local(q, k, v, g, beta, ids, h0, A_log, dt_bias, *, op_kwargs,
   return o_BTHV.astype(q.dtype), final_BHKV[None]
 
 
+def _check_kda(B, T, cu_seqlens, impl):
+  """Refuses what the sharded op cannot do; returns the concrete impl.
+
+  Raises:
+    ValueError: `cu_seqlens`, impl "reference", or a [B,T] that
+      `check_shape` refuses.
+  """
+  if cu_seqlens is not None:
+    raise ValueError("chunk_kda under context parallelism takes "
+                     "segment_ids, not cu_seqlens.")
+  check_shape(B, T, "chunk_kda")
+  impl = api.resolve_impl(impl)
+  if impl == "reference":
+    raise ValueError("chunk_kda under context parallelism needs impl "
+                     "'xla', 'pallas' or 'auto' (the local passes reuse "
+                     "the chunked op), not 'reference'.")
+  return impl
+
+
 def chunk_kda(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
               output_final_state=False, cu_seqlens=None, A_log=None,
               dt_bias=None, **op_kwargs):
@@ -190,19 +209,11 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
                 dt_bias=dt_bias, **op_kwargs)
   if context_size() == 1:
     return ops.chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, **kwargs)
-  if cu_seqlens is not None:
-    raise ValueError("chunk_kda under context parallelism takes "
-                     "segment_ids, not cu_seqlens.")
   B, T, H, K = q.shape
-  check_shape(B, T, "chunk_kda")
-  impl = api.resolve_impl(op_kwargs.get("impl", "auto"))
+  impl = _check_kda(B, T, cu_seqlens, op_kwargs.get("impl", "auto"))
   # Pallas calls declare outputs without varying-axis types: no vma check
   # (shard_map then psums the cotangents of replicated inputs itself).
   check_vma = impl != "pallas"
-  if impl == "reference":
-    raise ValueError("chunk_kda under context parallelism needs impl "
-                     "'xla', 'pallas' or 'auto' (the local passes reuse "
-                     "the chunked op), not 'reference'.")
   V = v.shape[-1]
   ids = (jnp.ones((B, T), jnp.int32) if segment_ids is None
          else segment_ids.astype(jnp.int32))
