@@ -235,9 +235,13 @@ def _attend_shard(offset, local, whole, params, *, N, scale, q_block):
   outs = []
   for start in range(0, t, q_block):
     stop = min(start + q_block, t)
-    outs.append(attend(q_BtHP[:, start:stop], k_BSHP, v_BSHE,
-                       t_t[start:stop], piece_Bt[:, start:stop], piece_BS,
-                       valid_BS))
+    # Keys the last shard's block reads ([0, S - t + stop)); earlier shards
+    # read fewer, so this static bound covers every shard.
+    keys = S - t + stop
+    outs.append(attend(q_BtHP[:, start:stop], k_BSHP[:, :keys],
+                       v_BSHE[:, :keys], t_t[start:stop],
+                       piece_Bt[:, start:stop], piece_BS[:, :keys],
+                       valid_BS[:, :keys]))
   return jnp.concatenate(outs, axis=1)
 
 
