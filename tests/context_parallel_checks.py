@@ -214,7 +214,7 @@ def main():
         4, with_bias=True)))
     out.update(layer_errors("mla", lambda: mla.MultiHeadLatentAttention(
         2, q_lora_rank=8, kv_lora_rank=16, qk_nope_head_dim=8,
-        qk_rope_head_dim=4, v_head_dim=8, output_gate=True, q_block=16)))
+        qk_rope_head_dim=4, v_head_dim=8, output_gate=True, q_block=8)))
     out.update(model_errors())
     out.update(refusals())
   print(json.dumps(out))
