@@ -21,6 +21,8 @@ T and exchange what crosses a shard boundary:
 * MLA (`gather_map`): queries stay local; the latent and the RoPE key (and
   the ids) are all-gathered over `context`; the core masks by global
   positions.
+* The MoE dispatch (`token_map`) is token-wise but sorts all tokens by
+  expert, which GSPMD would replicate on every shard: it runs per shard.
 
 `kda_lm/segments.py` stays the one definition of a segment start; the state
 exchange applies its rule across shard boundaries (see `_keep_state`).
@@ -314,3 +316,26 @@ def gather_map(fn: Callable[..., jax.Array], local: Sequence[jax.Array],
 
   specs = (rows,) * (nl + ng) + (P(),) * len(replicated)
   return _shard_map(body, specs, rows)(*local, *gathered, *replicated)
+
+
+def token_map(fn: Callable[..., jax.Array], tokens: Sequence[jax.Array],
+              replicated: Sequence[jax.Array]) -> jax.Array:
+  """Runs a token-wise `fn` on each shard's tokens.
+
+  For computations GSPMD would not partition along T (a sort of all the
+  tokens, as in the MoE dispatch), so that each shard works on its own.
+
+  Args:
+    fn: `fn(*tokens, *replicated)` on the shard's [B,T/n,...] slices,
+      returning [B,T/n,...].
+    tokens: [B,T,...] arrays (global).
+    replicated: arrays every shard receives whole (parameters).
+
+  Returns:
+    [B,T,...] (global).
+  """
+  B, T = tokens[0].shape[:2]
+  check_shape(B, T, "A token-wise layer")
+  rows = _row_spec(_mesh())
+  specs = (rows,) * len(tokens) + (P(),) * len(replicated)
+  return _shard_map(fn, specs, rows)(*tokens, *replicated)
