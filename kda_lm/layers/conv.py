@@ -7,6 +7,10 @@ tap `x[t-j]` reads as zero unless it lies in the same segment as `t` (the
 window never reaches across a document boundary or into padding), as if each
 document had been run alone with FLA's zero left padding.
 
+Under context parallelism (a `context` mesh axis > 1, see
+`kda_lm/context_parallel.py`) each shard reads the last W-1 inputs of its
+left neighbour as a halo.
+
 Decoding keeps the window of the last `W-1` inputs as a cache: a prefill
 returns it (`return_window=True`, zero outside the row's last segment), and
 each decode step convolves `concat(window, x)` and returns the shifted

@@ -19,6 +19,10 @@ outputs zeros. Rows longer than `q_block` attend in causal query blocks
 pass, so long rows neither compute the upper triangle's blocks nor store
 the [T,T] probabilities.
 
+Under context parallelism (`kda_lm/context_parallel.py`) queries stay on
+their shard and `c_kv`, the RoPE key and the ids are gathered whole
+(`_attend_shard`).
+
 Decoding (`kda_lm.decoding`): `max_len=S` (a prefill) also returns an
 `MLACache`: the normalised latent `c_kv` and the rotated shared RoPE key of
 every position up to `S` (C + R values per token), with the first valid slot
