@@ -412,11 +412,14 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """`config.mesh`: devices as a (data, fsdp) mesh."""
-  # Data-parallel devices; -1 = all / fsdp.
+  """`config.mesh`: devices as a (data, fsdp, context) mesh."""
+  # Data-parallel devices; -1 = all / (fsdp * context).
   data: int = -1
   # Devices each parameter is sharded over.
   fsdp: int = 1
+  # Context parallelism: devices each row's tokens are split over (T must
+  # be a multiple); see kda_lm/context_parallel.py. May change on resume.
+  context: int = 1
   # jax.distributed.initialize (multi-host).
   distributed: bool = False
   # jax.distributed.initialize arguments; None = auto-detect.

@@ -1,9 +1,10 @@
-"""Devices and sharding: multi-host start-up, the (`data`, `fsdp`) mesh, and
-the shardings of the train state and of the batches.
+"""Devices and sharding: the (`data`, `fsdp`, `context`) mesh, and the
+shardings of the train state and of the batches.
 
-The batch is sharded over both mesh axes, parameters and optimizer state over
-`fsdp` only (each array along its largest dimension that `fsdp` divides), so
-`fsdp=1` is plain data parallelism.
+The batch rows are sharded over `data` and `fsdp`, its tokens over `context`
+(context parallelism, `kda_lm.context_parallel`); parameters and optimizer
+state over `fsdp` only (each array along its largest dimension that `fsdp`
+divides), so `fsdp=1` and `context=1` is plain data parallelism.
 """
 
 from typing import Any, Mapping
@@ -15,16 +16,18 @@ PyTree = Any
 P = jax.sharding.PartitionSpec
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
+CONTEXT_AXIS = "context"
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
 def make_mesh(mesh_config: Any, devices: list[Any] | None = None
               ) -> jax.sharding.Mesh:
-  """A (`data`, `fsdp`) mesh over all devices.
+  """A (`data`, `fsdp`, `context`) mesh over all devices.
 
   Args:
     mesh_config: `config.mesh` (ConfigDict or `kda_lm.config.MeshConfig`);
-      `data = -1` takes the devices `fsdp` leaves.
+      `data = -1` takes the devices `fsdp` and `context` leave; a config
+      without `context` means 1.
     devices: default `jax.devices()` (all processes).
 
   Returns:
@@ -36,17 +39,21 @@ def make_mesh(mesh_config: Any, devices: list[Any] | None = None
   devices = list(jax.devices() if devices is None else devices)
   fsdp = int(mesh_config.fsdp)
   data = int(mesh_config.data)
-  if fsdp < 1 or (data < 1 and data != -1):
-    raise ValueError(f"config.mesh.fsdp must be >= 1 and config.mesh.data "
-                     f">= 1 or -1, got {fsdp}, {data}.")
+  context = int(getattr(mesh_config, "context", 1))
+  if fsdp < 1 or context < 1 or (data < 1 and data != -1):
+    raise ValueError(f"config.mesh.fsdp and config.mesh.context must be >= 1 "
+                     f"and config.mesh.data >= 1 or -1, got {fsdp}, "
+                     f"{context}, {data}.")
   if data == -1:
-    data = len(devices) // fsdp
-  if data * fsdp != len(devices):
-    raise ValueError(f"config.mesh data={data} x fsdp={fsdp} does not match "
-                     f"the {len(devices)} devices.")
+    data = len(devices) // (fsdp * context)
+  if data * fsdp * context != len(devices):
+    raise ValueError(f"config.mesh data={data} x fsdp={fsdp} x "
+                     f"context={context} does not match the {len(devices)} "
+                     "devices.")
   auto = jax.sharding.AxisType.Auto
-  return jax.make_mesh((data, fsdp), (DATA_AXIS, FSDP_AXIS),
-                       axis_types=(auto, auto), devices=devices)
+  return jax.make_mesh((data, fsdp, context),
+                       (DATA_AXIS, FSDP_AXIS, CONTEXT_AXIS),
+                       axis_types=(auto,) * 3, devices=devices)
 
 
 def leaf_spec(shape: tuple[int, ...], fsdp: int) -> P:
@@ -64,7 +71,8 @@ def leaf_spec(shape: tuple[int, ...], fsdp: int) -> P:
 
 def state_shardings(abstract_state: PyTree, mesh: jax.sharding.Mesh
                     ) -> PyTree:
-  """NamedShardings for a state: FSDP over `fsdp`, replicated over `data`."""
+  """NamedShardings for a state: FSDP over `fsdp`, replicated over `data`
+  and `context`."""
   fsdp = mesh.shape[FSDP_AXIS]
   return jax.tree.map(
       lambda a: jax.sharding.NamedSharding(
@@ -84,8 +92,14 @@ def replicated(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
-  """Rows sharded over all devices (`data` and `fsdp` axes)."""
-  return jax.sharding.NamedSharding(mesh, P((DATA_AXIS, FSDP_AXIS)))
+  """[B,T] arrays: rows over `data` and `fsdp`, tokens over `context`."""
+  return jax.sharding.NamedSharding(mesh, P((DATA_AXIS, FSDP_AXIS),
+                                            CONTEXT_AXIS))
+
+
+def row_devices(mesh: jax.sharding.Mesh) -> int:
+  """Devices the batch rows are split over (`data` x `fsdp`)."""
+  return int(mesh.shape[DATA_AXIS] * mesh.shape[FSDP_AXIS])
 
 
 def global_batch(batch: Mapping[str, np.ndarray],

@@ -37,6 +37,7 @@ step before any checkpoint of that step is written.
 """
 
 import contextlib
+import functools
 import json
 import os
 import time
@@ -288,6 +289,21 @@ def _non_finite_error(step: int, values: Mapping[str, float],
 # The run.
 
 
+def _under_mesh(mesh: jax.sharding.Mesh, fn: Callable[..., Any]
+                ) -> Callable[..., Any]:
+  """`fn` traced and run under `jax.set_mesh(mesh)` when the mesh has a
+  `context` axis > 1 (the layers find it there); else `fn` itself."""
+  if mesh.shape[sharding.CONTEXT_AXIS] == 1:
+    return fn
+
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    with jax.set_mesh(mesh):
+      return fn(*args, **kwargs)
+
+  return call
+
+
 class _Run:
   """One run's fixed parts (model, optimizer, mesh, jitted steps, data,
   output) and the loop's named actions: log a row, evaluate, checkpoint."""
@@ -304,9 +320,14 @@ class _Run:
                  jax.device_count(), jax.devices()[0].platform,
                  jax.process_count())
     self.mesh = sharding.make_mesh(cfg.mesh)
-    if cfg.data.batch_size % self.mesh.size:
+    rows = sharding.row_devices(self.mesh)
+    if cfg.data.batch_size % rows:
       raise ValueError(f"config.data.batch_size {cfg.data.batch_size} is "
-                       f"not a multiple of the {self.mesh.size} devices.")
+                       f"not a multiple of the {rows} data x fsdp devices.")
+    context = self.mesh.shape[sharding.CONTEXT_AXIS]
+    if cfg.data.seq_len % context:
+      raise ValueError(f"config.data.seq_len {cfg.data.seq_len} is not a "
+                       f"multiple of config.mesh.context = {context}.")
     self._build_steps()
     # Process 0 builds the TFDS data; the others then read it.
     with distributed.main_process_first("kda_lm: data built"):
@@ -346,15 +367,16 @@ class _Run:
                  dict(self.mesh.shape))
     self.batch_sharding = sharding.batch_sharding(self.mesh)
     replicated = sharding.replicated(self.mesh)
-    self.init = jax.jit(init, out_shardings=self.shardings)
-    self.update = jax.jit(make_update_fn(model, tx, schedule, cfg.model),
-                          in_shardings=(self.shardings, self.batch_sharding),
-                          out_shardings=(self.shardings, replicated),
-                          donate_argnums=0)
-    self.eval_step = jax.jit(
+    mesh = functools.partial(_under_mesh, self.mesh)
+    self.init = mesh(jax.jit(init, out_shardings=self.shardings))
+    self.update = mesh(jax.jit(
+        make_update_fn(model, tx, schedule, cfg.model),
+        in_shardings=(self.shardings, self.batch_sharding),
+        out_shardings=(self.shardings, replicated), donate_argnums=0))
+    self.eval_step = mesh(jax.jit(
         make_eval_fn(model),
         in_shardings=(self.shardings.params, self.batch_sharding),
-        out_shardings=replicated)
+        out_shardings=replicated))
 
   def _check_resume(self, step: int, saved: dict[str, Any] | None) -> bool:
     """Compares the checkpoint's config with this run's (see `workdir`).

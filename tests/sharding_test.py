@@ -24,9 +24,16 @@ def test_fsdp_shardings():
 
 def test_make_mesh_sizes_and_errors():
   mesh = sharding.make_mesh(ml_collections.ConfigDict(dict(data=-1, fsdp=1)))
-  assert dict(mesh.shape) == {"data": jax.device_count(), "fsdp": 1}
+  assert dict(mesh.shape) == {"data": jax.device_count(), "fsdp": 1,
+                              "context": 1}
+  assert sharding.batch_sharding(mesh).spec == jax.sharding.PartitionSpec(
+      ("data", "fsdp"), "context")
   with pytest.raises(ValueError, match="does not match"):
     sharding.make_mesh(ml_collections.ConfigDict(
         dict(data=jax.device_count() + 1, fsdp=1)))
-  with pytest.raises(ValueError, match="fsdp must be >= 1"):
-    sharding.make_mesh(ml_collections.ConfigDict(dict(data=-1, fsdp=0)))
+  with pytest.raises(ValueError, match="does not match"):
+    sharding.make_mesh(ml_collections.ConfigDict(
+        dict(data=1, fsdp=1, context=jax.device_count() + 1)))
+  for bad in (dict(fsdp=0), dict(fsdp=1, context=0)):
+    with pytest.raises(ValueError, match="must be >= 1"):
+      sharding.make_mesh(ml_collections.ConfigDict(dict(data=-1, **bad)))

@@ -394,8 +394,8 @@ def test_four_devices_match_one(tmp_path, data_dir, cache_dir):
           cache_dir, "--xla_force_host_platform_device_count=4"))
   assert result.returncode == 0, result.stderr[-4000:]
   assert result.stdout.split("\n")[:4] == [
-      "mesh {'data': 4, 'fsdp': 1}", "devices 4",
-      "mesh {'data': 2, 'fsdp': 2}", "devices 4"], result.stdout
+      "mesh {'data': 4, 'fsdp': 1, 'context': 1}", "devices 4",
+      "mesh {'data': 2, 'fsdp': 2, 'context': 1}", "devices 4"], result.stdout
   expected = metrics.read_metrics(one)
   for workdir in (four, fsdp):
     rows = metrics.read_metrics(workdir)
@@ -405,6 +405,45 @@ def test_four_devices_match_one(tmp_path, data_dir, cache_dir):
         if key in want:
           np.testing.assert_allclose(row[key], want[key], rtol=2e-5,
                                      atol=1e-6, err_msg=key)
+
+
+# Two fake devices: steps 1-2 with the row's tokens split over both
+# (context=2), then a resume of that checkpoint with context=1 (data=2).
+_CONTEXT = """
+import importlib.util
+import sys
+
+from kda_lm import training
+
+spec = importlib.util.spec_from_file_location("tiny", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+for context, steps in ((2, 2), (1, 4)):
+  config = module.get_config()
+  config.mesh.context = context
+  config.train.num_steps = steps
+  training.train_and_evaluate(config, sys.argv[2])
+"""
+
+
+def test_context_parallel_matches_one_and_resumes(tmp_path, data_dir,
+                                                  cache_dir):
+  one = str(tmp_path / "one")
+  training.train_and_evaluate(tiny_config(data_dir, eval__every_steps=0),
+                              one)
+  sharded = str(tmp_path / "sharded")
+  result = subprocess.run(
+      [sys.executable, "-c", _CONTEXT,
+       write_config_file(tmp_path, data_dir, eval__every_steps=0), sharded],
+      cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+      env=subprocess_env(
+          cache_dir, "--xla_force_host_platform_device_count=2"))
+  assert result.returncode == 0, result.stderr[-4000:]
+  rows, expected = train_rows(sharded), train_rows(one)
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  for row, want in zip(rows, expected, strict=True):
+    for key in ("loss", "accuracy"):
+      np.testing.assert_allclose(row[key], want[key], rtol=1e-5, err_msg=key)
 
 
 # ---------------------------------------------------------------------------

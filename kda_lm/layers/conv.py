@@ -7,6 +7,10 @@ tap `x[t-j]` reads as zero unless it lies in the same segment as `t` (the
 window never reaches across a document boundary or into padding), as if each
 document had been run alone with FLA's zero left padding.
 
+Under context parallelism (a `context` mesh axis > 1, see
+`kda_lm/context_parallel.py`) each shard reads the last W-1 inputs of its
+left neighbour as a halo.
+
 Decoding keeps the window of the last `W-1` inputs as a cache: a prefill
 returns it (`return_window=True`, zero outside the row's last segment), and
 each decode step convolves `concat(window, x)` and returns the shifted
@@ -19,7 +23,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from kda_lm import segments
+from kda_lm import context_parallel, segments
 
 
 class ShortConvolution(hk.Module):
@@ -86,6 +90,9 @@ class ShortConvolution(hk.Module):
     init = hk.initializers.RandomUniform(-bound, bound)
     w_WD = hk.get_parameter("weight", [W, D], self.param_dtype, init=init)
     w_WD = w_WD.astype(x.dtype)
+    if context_parallel.context_size() > 1:
+      return self._context_parallel(x, segment_ids, w_WD, window,
+                                    return_window)
     if window is None:
       x_pad = jnp.pad(x, ((0, 0), (W - 1, 0), (0, 0)))
     else:
@@ -113,6 +120,49 @@ class ShortConvolution(hk.Module):
     if window is None and not return_window:
       return y
     return y, self._last_window(x_pad, segment_ids)
+
+  def _context_parallel(self, x, segment_ids, w_WD, window, return_window):
+    """The convolution with T sharded over `context`: each shard reads the
+    last W-1 inputs (and ids) of its left neighbour."""
+    if window is not None or return_window:
+      raise ValueError("The short convolution's decode window is not "
+                       "supported under context parallelism.")
+    B, T, D = x.shape
+    W = self.kernel_size
+    if segment_ids is None:
+      segment_ids = jnp.ones((B, T), jnp.int32)
+    elif segment_ids.shape != (B, T):
+      raise ValueError(f"segment_ids must be [B,T] = {(B, T)}, got "
+                       f"{segment_ids.shape}.")
+    b_D = None
+    if self.with_bias:
+      bound = W ** -0.5
+      b_D = hk.get_parameter("bias", [D], self.param_dtype,
+                             init=hk.initializers.RandomUniform(-bound,
+                                                                bound))
+    params = (w_WD,) if b_D is None else (w_WD, b_D.astype(x.dtype))
+    if W == 1:
+      return self._finish(x * w_WD[0], *params[1:])
+
+    def local(x_ext, ids_ext, w_WD, *bias):
+      # The window's first W-1 tokens are the halo; offsets on the
+      # extended row are exact for every tap a local token reads.
+      off_BT = segments.offsets(ids_ext)[:, W - 1:]
+      t = x_ext.shape[1] - (W - 1)
+      y = x_ext[:, W - 1:] * w_WD[W - 1]
+      for j in range(1, W):
+        tap = x_ext[:, W - 1 - j:W - 1 - j + t] * w_WD[W - 1 - j]
+        y = y + jnp.where((off_BT >= j)[:, :, None], tap, 0)
+      return self._finish(y, *bias)
+
+    return context_parallel.left_halo_map(local, x, segment_ids, W - 1,
+                                          *params)
+
+  def _finish(self, y, b_D=None):
+    """Bias and activation."""
+    if b_D is not None:
+      y = y + b_D
+    return jax.nn.silu(y) if self.activation == "silu" else y
 
   def _last_window(self, x_pad: jax.Array,
                    segment_ids: Optional[jax.Array]) -> jax.Array:

@@ -37,7 +37,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from kda_lm import ops
+from kda_lm import context_parallel
 from kda_lm.layers import conv, linear, norm
 from kda_lm.ops.kda import recurrent
 
@@ -202,7 +202,7 @@ class KimiDeltaAttention(hk.Module):
     dt_bias = hk.get_parameter("dt_bias", [H * K], jnp.float32,
                                init=dt_bias_init)
     if cache is None:
-      o_BTHV, state = ops.chunk_kda(
+      o_BTHV, state = context_parallel.chunk_kda(
           q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, segment_ids=segment_ids,
           A_log=A_log_H, dt_bias=dt_bias, use_gate_in_kernel=True,
           lower_bound=lower_bound, safe_gate=safe_gate,

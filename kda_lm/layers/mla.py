@@ -19,6 +19,10 @@ outputs zeros. Rows longer than `q_block` attend in causal query blocks
 pass, so long rows neither compute the upper triangle's blocks nor store
 the [T,T] probabilities.
 
+Under context parallelism (`kda_lm/context_parallel.py`) queries stay on
+their shard and `c_kv`, the RoPE key and the ids are gathered whole
+(`_attend_shard`).
+
 Decoding (`kda_lm.decoding`): `max_len=S` (a prefill) also returns an
 `MLACache`: the normalised latent `c_kv` and the rotated shared RoPE key of
 every position up to `S` (C + R values per token), with the first valid slot
@@ -40,7 +44,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from kda_lm import segments
+from kda_lm import context_parallel, segments
 from kda_lm.layers import linear, norm, rope
 
 # A large finite negative: exp() of it underflows to exactly 0, and a row
@@ -48,27 +52,27 @@ from kda_lm.layers import linear, norm, rope
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def _block_mask(start, stop, S, piece_BT, valid_BT):
-  """Mask of queries [start, stop) against keys [0, S): [B or 1,1,t,S]."""
-  t = jnp.arange(start, stop)
-  mask = (t[:, None] >= jnp.arange(S)[None, :])[None]
-  if piece_BT is not None:
-    same = piece_BT[:, start:stop, None] == piece_BT[:, None, :S]
-    mask = mask & same & valid_BT[:, None, :S]
+def _block_mask(t_t, S, piece_Bt, piece_BS, valid_BS):
+  """Mask of queries at positions `t_t [t]` against keys [0, S):
+  [B or 1,1,t,S]."""
+  mask = (t_t[:, None] >= jnp.arange(S)[None, :])[None]
+  if piece_Bt is not None:
+    same = piece_Bt[:, :, None] == piece_BS[:, None, :]
+    mask = mask & same & valid_BS[:, None, :]
   return mask[:, None]
 
 
-def _attend_block(q_BtHP, k_BSHP, v_BSHE, piece_BT, valid_BT, *, start,
-                  scale):
-  """Softmax attention of queries [start, start+t) over keys [0, S).
+def _attend_block(q_BtHP, k_BSHP, v_BSHE, t_t, piece_Bt, piece_BS, valid_BS,
+                  *, scale):
+  """Softmax attention of queries at positions `t_t` over keys [0, S).
 
   Returns:
     [B,t,H,E] float32.
   """
-  stop, S = start + q_BtHP.shape[1], k_BSHP.shape[1]
+  S = k_BSHP.shape[1]
   s_BHtS = jnp.einsum("bthp,bshp->bhts", q_BtHP, k_BSHP,
                       preferred_element_type=jnp.float32) * scale
-  mask = _block_mask(start, stop, S, piece_BT, valid_BT)
+  mask = _block_mask(t_t, S, piece_Bt, piece_BS, valid_BS)
   s_BHtS = jnp.where(mask, s_BHtS, MASK_VALUE)
   p_BHtS = jax.nn.softmax(s_BHtS, axis=-1).astype(v_BSHE.dtype)
   return jnp.einsum("bhts,bshe->bthe", p_BHtS, v_BSHE,
@@ -176,6 +180,10 @@ def _decode_attend(q_nope_BHN, q_rope_BHR, c_BC, k_rope_BR, cache, w_CHX,
                                lengths=cache.lengths + 1)
 
 
+def _slice(x, start, stop):
+  return None if x is None else x[:, start:stop]
+
+
 def _attend(q_BTHP, k_BTHP, v_BTHE, piece_BT, valid_BT, *, scale, q_block):
   """Masked softmax attention of all queries: [B,T,H,E] float32.
 
@@ -184,16 +192,60 @@ def _attend(q_BTHP, k_BTHP, v_BTHE, piece_BT, valid_BT, *, scale, q_block):
   instead of stored.
   """
   T = q_BTHP.shape[1]
+  t_T = jnp.arange(T)
   if T <= q_block:
-    return _attend_block(q_BTHP, k_BTHP, v_BTHE, piece_BT, valid_BT,
-                         start=0, scale=scale)
+    return _attend_block(q_BTHP, k_BTHP, v_BTHE, t_T, piece_BT, piece_BT,
+                         valid_BT, scale=scale)
   outs = []
   for start in range(0, T, q_block):
     stop = min(start + q_block, T)
-    attend = jax.checkpoint(functools.partial(
-        _attend_block, start=start, scale=scale))
+    attend = jax.checkpoint(functools.partial(_attend_block, scale=scale))
     outs.append(attend(q_BTHP[:, start:stop], k_BTHP[:, :stop],
-                       v_BTHE[:, :stop], piece_BT, valid_BT))
+                       v_BTHE[:, :stop], t_T[start:stop],
+                       _slice(piece_BT, start, stop),
+                       _slice(piece_BT, 0, stop), _slice(valid_BT, 0, stop)))
+  return jnp.concatenate(outs, axis=1)
+
+
+def _attend_shard(offset, local, whole, params, *, N, scale, q_block):
+  """One context-parallel shard of MLA: local queries, whole-row keys.
+
+  Args:
+    offset: int32 global position of the shard's first query.
+    local: [q [B,t,H,K], piece ids [B,t]] of the shard's queries.
+    whole: [c_kv [B,S,Z], k_rope [B,S,R], piece ids [B,S], valid [B,S]] of
+      the whole row (all-gathered).
+    params: [kv_b_proj weight [Z,H,U+V]].
+    N: the unrotated (no-RoPE) dims of a head.
+    scale: score scale.
+    q_block: queries per rematerialised block.
+
+  Returns:
+    [B,t,H,V] float32.
+  """
+  q_BtHP, piece_Bt = local
+  c_BSC, k_rope_BSR, piece_BS, valid_BS = whole
+  (w_CHX,) = params
+  B, S = c_BSC.shape[:2]
+  H = w_CHX.shape[1]
+  kv_BSHX = jnp.einsum("bsc,chx->bshx", c_BSC, w_CHX.astype(c_BSC.dtype),
+                       preferred_element_type=c_BSC.dtype)
+  k_BSHP = jnp.concatenate([kv_BSHX[..., :N], jnp.broadcast_to(
+      k_rope_BSR[:, :, None], (B, S, H, k_rope_BSR.shape[-1]))], axis=-1)
+  v_BSHE = kv_BSHX[..., N:]
+  t = q_BtHP.shape[1]
+  t_t = offset + jnp.arange(t)
+  attend = jax.checkpoint(functools.partial(_attend_block, scale=scale))
+  outs = []
+  for start in range(0, t, q_block):
+    stop = min(start + q_block, t)
+    # Keys the last shard's block reads ([0, S - t + stop)); earlier shards
+    # read fewer, so this static bound covers every shard.
+    keys = S - t + stop
+    outs.append(attend(q_BtHP[:, start:stop], k_BSHP[:, :keys],
+                       v_BSHE[:, :keys], t_t[start:stop],
+                       piece_Bt[:, start:stop], piece_BS[:, :keys],
+                       valid_BS[:, :keys]))
   return jnp.concatenate(outs, axis=1)
 
 
@@ -331,6 +383,20 @@ class MultiHeadLatentAttention(hk.Module):
           _kv_b_weight(C, H, N + E, self.param_dtype), scale)
       return (_output(x, o_BHE[:, None], None, dense, self.output_gate),
               new_cache)
+    if context_parallel.context_size() > 1:
+      if max_len is not None:
+        raise ValueError("An MLA prefill (max_len) is not supported under "
+                         "context parallelism.")
+      ids = (jnp.ones((B, T), jnp.int32) if segment_ids is None
+             else segment_ids)
+      piece_BT = segments.piece_ids(ids)
+      o_BTHE = context_parallel.gather_map(
+          functools.partial(_attend_shard, N=N, scale=scale,
+                            q_block=self.q_block),
+          [jnp.concatenate([q_nope_BTHN, q_rope_BTHR], axis=-1), piece_BT],
+          [c_kv_BTC, k_rope_BT1R[:, :, 0], piece_BT, ids != 0],
+          [_kv_b_weight(C, H, N + E, self.param_dtype)])
+      return _output(x, o_BTHE, segment_ids, dense, self.output_gate)
     kv_BTHX = dense(H * (N + E), "kv_b_proj")(c_kv_BTC).reshape(
         B, T, H, N + E)
     k_nope_BTHN, v_BTHE = kv_BTHX[..., :N], kv_BTHX[..., N:]

@@ -34,6 +34,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from kda_lm import context_parallel
 from kda_lm.layers import mlp
 
 BIAS_NAME = "e_score_correction_bias"
@@ -183,6 +184,24 @@ def dispatch_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
                     w.astype(jnp.float32)).astype(dt)
 
 
+def _dispatch(x, idx, w, weights):
+  """`dispatch_swiglu` of `x` ([B,T,D] or [M,D]): [M,D]. Under context
+  parallelism each shard sorts and runs only its own tokens."""
+  D, A = x.shape[-1], idx.shape[-1]
+  if x.ndim != 3 or context_parallel.context_size() == 1:
+    return dispatch_swiglu(x.reshape(-1, D), idx, w, *weights)
+  B, T = x.shape[:2]
+
+  def local(x_BTD, idx_BTA, w_BTA, *weights):
+    b, t = x_BTD.shape[:2]
+    return dispatch_swiglu(x_BTD.reshape(-1, D), idx_BTA.reshape(-1, A),
+                           w_BTA.reshape(-1, A), *weights).reshape(b, t, D)
+
+  return context_parallel.token_map(
+      local, [x, idx.reshape(B, T, A), w.reshape(B, T, A)],
+      list(weights)).reshape(-1, D)
+
+
 class MoE(hk.Module):
   """Routed SwiGLU experts (sigmoid router, top-k) plus shared experts."""
 
@@ -248,7 +267,7 @@ class MoE(hk.Module):
     w_gate = hk.get_parameter("gate_proj", [E, D, F], pdt, init=init_in)
     w_up = hk.get_parameter("up_proj", [E, D, F], pdt, init=init_in)
     w_down = hk.get_parameter("down_proj", [E, F, D], pdt, init=init_out)
-    y = dispatch_swiglu(x_MD, idx, w, w_gate, w_up, w_down)
+    y = _dispatch(x, idx, w, (w_gate, w_up, w_down))
     if self.num_shared:
       y = y + mlp.SwiGLU(self.num_shared * F, param_dtype=pdt,
                          name="shared_experts")(x_MD)

@@ -1,0 +1,341 @@
+"""Context parallelism: one packed row sharded over devices along T.
+
+Shape glossary: B batch rows, T tokens per row (global), H heads, K key dim,
+V value dim, D channels; `n` shards on the `context` mesh axis, `T/n` tokens
+per shard.
+
+The model runs under `jit` (GSPMD) with the batch sharded
+`P((data, fsdp), context)`; token-wise layers need nothing. The three
+sequence-mixing cores run here inside `jax.shard_map` on their local slice of
+T and exchange what crosses a shard boundary:
+
+* KDA (`chunk_kda`): per head the recurrence over a shard is affine in the
+  state entering it, `S_out = M S_in + C`. One local pass with values
+  `[v, 0]` (width V + K) and initial state `[0, I]` gives the zero-state
+  output `o0` and final state `C`, plus `P_t = scale q_t^T M_t` and `M`.
+  The (M, C) of all shards are all-gathered over `context` and combined in
+  order, which gives each shard its true incoming state `X`; its output is
+  `o0 + P X`. No second pass.
+* The short convolution (`left_halo_map`): the last `J - 1` inputs and ids
+  of the left neighbour arrive by `ppermute`; shard 0 gets zeros.
+* MLA (`gather_map`): queries stay local; the latent and the RoPE key (and
+  the ids) are all-gathered over `context`; the core masks by global
+  positions.
+* The MoE dispatch (`token_map`) is token-wise but sorts all tokens by
+  expert, which GSPMD would replicate on every shard: it runs per shard.
+
+`kda_lm/segments.py` stays the one definition of a segment start; the state
+exchange applies its rule across shard boundaries (see `_keep_state`).
+Every function here does exactly what the single-device code does when the
+ambient mesh (`jax.set_mesh`) has no `context` axis or it has size 1.
+"""
+
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from kda_lm import ops, sharding
+from kda_lm.ops.kda import api
+
+P = jax.sharding.PartitionSpec
+CONTEXT_AXIS = sharding.CONTEXT_AXIS
+
+
+def _mesh() -> Optional[Any]:
+  """The ambient (abstract) mesh, or None outside `jax.set_mesh`."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return None if mesh.empty else mesh
+
+
+def context_size() -> int:
+  """Shards along T: the ambient mesh's `context` size (1 without one)."""
+  mesh = _mesh()
+  if mesh is None or CONTEXT_AXIS not in mesh.axis_names:
+    return 1
+  return int(mesh.shape[CONTEXT_AXIS])
+
+
+def _batch_axes(mesh) -> tuple[str, ...]:
+  """The mesh axes that shard rows (`data`, `fsdp`, those present)."""
+  return tuple(a for a in (sharding.DATA_AXIS, sharding.FSDP_AXIS)
+               if a in mesh.axis_names)
+
+
+def check_shape(B: int, T: int, what: str) -> int:
+  """Checks that [B,T] rows can be sharded; returns the shard count n.
+
+  Raises:
+    ValueError: T is not a multiple of the `context` size, or B of the
+      devices the rows are sharded over.
+  """
+  n = context_size()
+  if n == 1:
+    return n
+  mesh = _mesh()
+  auto = jax.sharding.AxisType.Auto
+  if any(t != auto for t in mesh.axis_types):
+    raise ValueError(f"{what} under context parallelism needs a mesh of "
+                     f"Auto axes (`sharding.make_mesh`), got "
+                     f"{mesh.axis_types}.")
+  rows = 1
+  for axis in _batch_axes(mesh):
+    rows *= int(mesh.shape[axis])
+  if T % n:
+    raise ValueError(f"{what} under context parallelism: T = {T} tokens "
+                     f"per row is not a multiple of mesh.context = {n}.")
+  if B % rows:
+    raise ValueError(f"{what} under context parallelism: B = {B} rows is "
+                     f"not a multiple of the {rows} data x fsdp devices.")
+  return n
+
+
+def _row_axes() -> tuple[str, ...]:
+  """The mesh axes a [B,T,...] row array varies over inside `shard_map`."""
+  return _batch_axes(_mesh()) + (CONTEXT_AXIS,)
+
+
+def _row_spec(mesh) -> P:
+  """[B,T,...] arrays: rows over (data, fsdp), tokens over context."""
+  return P(_batch_axes(mesh) or None, CONTEXT_AXIS)
+
+
+def _shard_map(fn, in_specs, out_specs, check_vma=True):
+  return jax.shard_map(fn, mesh=_mesh(), in_specs=in_specs,
+                       out_specs=out_specs, check_vma=check_vma)
+
+
+# ---------------------------------------------------------------------------
+# KDA.
+
+
+def _keep_state(ids_BT):
+  """[n,B] float32: 1 where shard j's local op must start from the state
+  entering it (the global state after shard j - 1), 0 where it starts from
+  zero.
+
+  The state enters shard j's first local segment when that segment
+  continues the previous token's (same nonzero id), or when no earlier
+  shard holds a real token (the row's first segment starts from
+  `initial_state`, passed through padding). A shard of padding only keeps
+  the state unchanged (its M = I, C = 0).
+  """
+  first = jax.lax.all_gather(ids_BT[:, 0], CONTEXT_AXIS)       # [n,B]
+  last = jax.lax.all_gather(ids_BT[:, -1], CONTEXT_AXIS)
+  real = jax.lax.all_gather(jnp.any(ids_BT != 0, axis=1), CONTEXT_AXIS)
+  prev_last = jnp.concatenate([jnp.zeros_like(last[:1]), last[:-1]])
+  continues = (first != 0) & (first == prev_last)
+  real_before = jnp.cumsum(real.astype(jnp.int32), axis=0) - real > 0
+  return (~real | continues | ~real_before).astype(jnp.float32)
+
+
+def _incoming_states(M_nBHKK, C_nBHKV, keep_nB, h0_BHKV):
+  """The state entering every shard and the row's final state.
+
+  Returns:
+    ([n,B,H,K,V] states entering each shard's first local segment (keep
+    applied), [B,H,K,V] the state after the last shard).
+  """
+  state, entering = h0_BHKV, []
+  for j in range(M_nBHKK.shape[0]):
+    x = keep_nB[j][:, None, None, None] * state
+    entering.append(x)
+    state = jnp.einsum("bhkj,bhjv->bhkv", M_nBHKK[j], x,
+                       precision=jax.lax.Precision.HIGHEST) + C_nBHKV[j]
+  return jnp.stack(entering), state
+
+
+def _kda_local(q, k, v, g, beta, ids, h0, A_log, dt_bias, *, op_kwargs,
+               check_vma):
+  """One shard of `chunk_kda`: the widened pass, the exchange, `o0 + P X`."""
+  B, _, H, K = q.shape
+  V = v.shape[-1]
+  v_aug = jnp.concatenate([v, jnp.zeros(v.shape[:3] + (K,), v.dtype)], -1)
+  eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))
+  h0_aug = jnp.concatenate([jnp.zeros((B, H, K, V), jnp.float32), eye], -1)
+  if check_vma:  # A constant carried next to varying arrays in scans.
+    h0_aug = jax.lax.pcast(h0_aug, _row_axes(), to="varying")
+  o_aug, st_aug = ops.chunk_kda(
+      q, k, v_aug, g, beta, initial_state=h0_aug, output_final_state=True,
+      segment_ids=ids, A_log=A_log, dt_bias=dt_bias, **op_kwargs)
+  o0_BTHV, p_BTHK = o_aug[..., :V], o_aug[..., V:]
+  C_BHKV, M_BHKK = st_aug[..., :V], st_aug[..., V:]
+  keep_nB = _keep_state(ids)
+  entering_nBHKV, final_BHKV = _incoming_states(
+      jax.lax.all_gather(M_BHKK, CONTEXT_AXIS),
+      jax.lax.all_gather(C_BHKV, CONTEXT_AXIS), keep_nB, h0)
+  x_BHKV = entering_nBHKV[jax.lax.axis_index(CONTEXT_AXIS)]
+  o_BTHV = o0_BTHV.astype(jnp.float32) + jnp.einsum(
+      "bthk,bhkv->bthv", p_BTHK.astype(jnp.float32), x_BHKV,
+      precision=jax.lax.Precision.HIGHEST)
+  # Every shard holds the same final state; returned stacked [1,B,H,K,V]
+  # per shard (all-gathered values are typed as varying over `context`).
+  return o_BTHV.astype(q.dtype), final_BHKV[None]
+
+
+def _check_kda(B, T, cu_seqlens, impl):
+  """Refuses what the sharded op cannot do; returns the concrete impl.
+
+  Raises:
+    ValueError: `cu_seqlens`, impl "reference", or a [B,T] that
+      `check_shape` refuses.
+  """
+  if cu_seqlens is not None:
+    raise ValueError("chunk_kda under context parallelism takes "
+                     "segment_ids, not cu_seqlens.")
+  check_shape(B, T, "chunk_kda")
+  impl = api.resolve_impl(impl)
+  if impl == "reference":
+    raise ValueError("chunk_kda under context parallelism needs impl "
+                     "'xla', 'pallas' or 'auto' (the local passes reuse "
+                     "the chunked op), not 'reference'.")
+  return impl
+
+
+def chunk_kda(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
+              output_final_state=False, cu_seqlens=None, A_log=None,
+              dt_bias=None, **op_kwargs):
+  """`ops.chunk_kda`, exact under context parallelism.
+
+  Same arguments and results as `kda_lm.ops.chunk_kda` (the other keyword
+  arguments pass through). Without a `context` axis of size > 1 in the
+  ambient mesh it is that function.
+
+  Raises:
+    ValueError: under context parallelism, `cu_seqlens` (documents are
+      rows, not shards: use `segment_ids`), or a [B,T] that `check_shape`
+      refuses; the op's own checks otherwise.
+  """
+  kwargs = dict(segment_ids=segment_ids, initial_state=initial_state,
+                output_final_state=output_final_state, A_log=A_log,
+                dt_bias=dt_bias, **op_kwargs)
+  if context_size() == 1:
+    return ops.chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, **kwargs)
+  B, T, H, K = q.shape
+  impl = _check_kda(B, T, cu_seqlens, op_kwargs.get("impl", "auto"))
+  # Pallas calls declare outputs without varying-axis types: no vma check
+  # (shard_map then psums the cotangents of replicated inputs itself).
+  check_vma = impl != "pallas"
+  V = v.shape[-1]
+  ids = (jnp.ones((B, T), jnp.int32) if segment_ids is None
+         else segment_ids.astype(jnp.int32))
+  h0 = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None
+        else initial_state.astype(jnp.float32))
+  mesh = _mesh()
+  rows, batch = _row_spec(mesh), P(_batch_axes(mesh) or None)
+  use_a, use_dt = A_log is not None, dt_bias is not None
+  A_log = jnp.zeros((1,), jnp.float32) if A_log is None else A_log
+  dt_bias = jnp.zeros((1,), jnp.float32) if dt_bias is None else dt_bias
+
+  def local(q, k, v, g, beta, ids, h0, A_log, dt_bias):
+    return _kda_local(
+        q, k, v, g, beta, ids, h0,
+        A_log if use_a else None,
+        dt_bias if use_dt else None, op_kwargs=op_kwargs,
+        check_vma=check_vma)
+
+  stacked = P(CONTEXT_AXIS, _batch_axes(mesh) or None)
+  o, final = _shard_map(local, (rows,) * 6 + (batch, P(), P()),
+                        (rows, stacked), check_vma)(
+                            q, k, v, g, beta, ids, h0, A_log, dt_bias)
+  return o, (final[-1] if output_final_state else None)
+
+
+# ---------------------------------------------------------------------------
+# Short convolution and attention: generic halo and gather maps.
+
+
+def left_halo_map(fn: Callable[..., jax.Array], x_BTD: jax.Array,
+                  segment_ids: jax.Array, width: int,
+                  *replicated: jax.Array) -> jax.Array:
+  """Runs `fn` on each shard with `width` tokens of left context.
+
+  Args:
+    fn: `fn(x_ext [B,width+T/n,D], ids_ext [B,width+T/n], *replicated)`
+      returning the shard's [B,T/n,D'] output; the first `width` tokens are
+      the left neighbour's last ones (zeros with id 0 on shard 0).
+    x_BTD: [B,T,D] inputs (global).
+    segment_ids: [B,T] int ids (global).
+    width: tokens of left context, <= T/n.
+    *replicated: arrays every shard receives whole (parameters).
+
+  Returns:
+    [B,T,D'] (global).
+
+  Raises:
+    ValueError: the shapes `check_shape` refuses, or width > T/n.
+  """
+  B, T, _ = x_BTD.shape
+  n = check_shape(B, T, "The short convolution")
+  if width > T // n:
+    raise ValueError(f"The short convolution under context parallelism "
+                     f"needs T/context = {T // n} >= kernel_size - 1 = "
+                     f"{width} tokens per shard.")
+  perm = [(i, i + 1) for i in range(n - 1)]
+
+  def local(x, ids, *params):
+    halo_x = jax.lax.ppermute(x[:, x.shape[1] - width:], CONTEXT_AXIS, perm)
+    halo_ids = jax.lax.ppermute(ids[:, ids.shape[1] - width:], CONTEXT_AXIS,
+                                perm)
+    return fn(jnp.concatenate([halo_x, x], axis=1),
+              jnp.concatenate([halo_ids, ids], axis=1), *params)
+
+  rows = _row_spec(_mesh())
+  return _shard_map(local, (rows, rows) + (P(),) * len(replicated),
+                    rows)(x_BTD, segment_ids.astype(jnp.int32), *replicated)
+
+
+def gather_map(fn: Callable[..., jax.Array], local: Sequence[jax.Array],
+               gathered: Sequence[jax.Array],
+               replicated: Sequence[jax.Array]) -> jax.Array:
+  """Runs `fn` on each shard with some [B,T,...] inputs gathered whole.
+
+  Args:
+    fn: `fn(offset, local, gathered, replicated)` returning the shard's
+      [B,T/n,...] output; `offset` (int32 scalar) is the global position of
+      the shard's first token, `local` the shard's slices, `gathered` the
+      whole rows (all-gathered over `context`).
+    local: [B,T,...] arrays (global) that stay sharded.
+    gathered: [B,T,...] arrays (global) each shard reads whole.
+    replicated: arrays every shard receives whole (parameters).
+
+  Returns:
+    [B,T,...] (global).
+  """
+  B, T = local[0].shape[:2]
+  n = check_shape(B, T, "Attention")
+  rows = _row_spec(_mesh())
+  nl, ng = len(local), len(gathered)
+
+  def body(*args):
+    mine, whole, params = args[:nl], args[nl:nl + ng], args[nl + ng:]
+    whole = [jax.lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True)
+             for a in whole]
+    offset = jax.lax.axis_index(CONTEXT_AXIS) * (T // n)
+    return fn(offset.astype(jnp.int32), list(mine), whole, list(params))
+
+  specs = (rows,) * (nl + ng) + (P(),) * len(replicated)
+  return _shard_map(body, specs, rows)(*local, *gathered, *replicated)
+
+
+def token_map(fn: Callable[..., jax.Array], tokens: Sequence[jax.Array],
+              replicated: Sequence[jax.Array]) -> jax.Array:
+  """Runs a token-wise `fn` on each shard's tokens.
+
+  For computations GSPMD would not partition along T (a sort of all the
+  tokens, as in the MoE dispatch), so that each shard works on its own.
+
+  Args:
+    fn: `fn(*tokens, *replicated)` on the shard's [B,T/n,...] slices,
+      returning [B,T/n,...].
+    tokens: [B,T,...] arrays (global).
+    replicated: arrays every shard receives whole (parameters).
+
+  Returns:
+    [B,T,...] (global).
+  """
+  B, T = tokens[0].shape[:2]
+  check_shape(B, T, "A token-wise layer")
+  rows = _row_spec(_mesh())
+  specs = (rows,) * len(tokens) + (P(),) * len(replicated)
+  return _shard_map(fn, specs, rows)(*tokens, *replicated)
