@@ -368,7 +368,10 @@ class _Run:
     self.batch_sharding = sharding.batch_sharding(self.mesh)
     replicated = sharding.replicated(self.mesh)
     mesh = functools.partial(_under_mesh, self.mesh)
-    self.init = mesh(jax.jit(init, out_shardings=self.shardings))
+    # Parameters do not depend on the mesh: init traces its one-row batch
+    # with the single-device layers (a [1,T] row cannot be split over
+    # several data devices).
+    self.init = jax.jit(init, out_shardings=self.shardings)
     self.update = mesh(jax.jit(
         make_update_fn(model, tx, schedule, cfg.model),
         in_shardings=(self.shardings, self.batch_sharding),

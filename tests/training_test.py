@@ -146,6 +146,11 @@ def train_rows(workdir):
   return [r for r in metrics.read_metrics(workdir) if "loss" in r]
 
 
+def eval_losses(workdir):
+  return {r["step"]: r["eval_loss"] for r in metrics.read_metrics(workdir)
+          if "eval_loss" in r}
+
+
 def restore_params(workdir, like_state):
   manager = checkpointing.CheckpointManager(
       os.path.join(workdir, "checkpoints"))
@@ -358,12 +363,15 @@ def test_check_batch_names_bad_token():
     training.check_batch(batch, 9, "the batch of step 7")
 
 
+# Four fake devices, one process: data parallel (data=4), FSDP (data=2 x
+# fsdp=2), then the row's tokens split over two devices (data=2 x
+# context=2) for steps 1-2, checkpointed, and resumed with context=1 for
+# step 3.
 _FOUR_DEVICES = """
 import importlib.util
 import sys
 
 import jax
-import ml_collections
 
 from kda_lm import sharding, training
 
@@ -371,9 +379,12 @@ spec = importlib.util.spec_from_file_location("tiny", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 assert jax.device_count() == 4, jax.devices()
-config = module.get_config()
-for fsdp, workdir in ((1, sys.argv[2]), (2, sys.argv[3])):
-  config.mesh.fsdp = fsdp
+runs = ((1, 1, 3, sys.argv[2]), (2, 1, 3, sys.argv[3]),
+        (1, 2, 2, sys.argv[4]), (1, 1, 3, sys.argv[4]))
+for fsdp, context, steps, workdir in runs:
+  config = module.get_config()
+  config.mesh.fsdp, config.mesh.context = fsdp, context
+  config.train.num_steps = steps
   print("mesh", dict(sharding.make_mesh(config.mesh).shape))
   state = training.train_and_evaluate(config, workdir)
   print("devices", len(state.params["embed"]["embeddings"].sharding.device_set))
@@ -381,69 +392,38 @@ for fsdp, workdir in ((1, sys.argv[2]), (2, sys.argv[3])):
 
 
 def test_four_devices_match_one(tmp_path, data_dir, cache_dir):
+  """Data parallel, FSDP and context parallel runs (with a resume onto
+  another context size) reproduce the one-device losses."""
   common = dict(train__num_steps=3, eval__every_steps=3,
-                checkpoint__enabled=False)
+                checkpoint__every_steps=2)
   one = str(tmp_path / "one")
   training.train_and_evaluate(tiny_config(data_dir, **common), one)
-  four, fsdp = str(tmp_path / "four"), str(tmp_path / "fsdp")
+  workdirs = [str(tmp_path / name) for name in ("four", "fsdp", "context")]
   config_file = write_config_file(tmp_path, data_dir, **common)
   result = subprocess.run(
-      [sys.executable, "-c", _FOUR_DEVICES, config_file, four, fsdp],
-      cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+      [sys.executable, "-c", _FOUR_DEVICES, config_file, *workdirs],
+      cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
       env=subprocess_env(
           cache_dir, "--xla_force_host_platform_device_count=4"))
   assert result.returncode == 0, result.stderr[-4000:]
-  assert result.stdout.split("\n")[:4] == [
-      "mesh {'data': 4, 'fsdp': 1, 'context': 1}", "devices 4",
-      "mesh {'data': 2, 'fsdp': 2, 'context': 1}", "devices 4"], result.stdout
-  expected = metrics.read_metrics(one)
-  for workdir in (four, fsdp):
-    rows = metrics.read_metrics(workdir)
-    assert [r["step"] for r in rows] == [r["step"] for r in expected]
+  meshes = ["{'data': 4, 'fsdp': 1, 'context': 1}",
+            "{'data': 2, 'fsdp': 2, 'context': 1}",
+            "{'data': 2, 'fsdp': 1, 'context': 2}",
+            "{'data': 4, 'fsdp': 1, 'context': 1}"]
+  assert result.stdout.split("\n")[:8] == [
+      line for mesh in meshes for line in (f"mesh {mesh}", "devices 4")
+  ], result.stdout
+  expected, expected_eval = train_rows(one), eval_losses(one)
+  assert sorted(expected_eval) == [3]
+  for workdir in workdirs:
+    rows = train_rows(workdir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for row, want in zip(rows, expected, strict=True):
-      for key in ("loss", "accuracy", "grad_norm", "eval_loss"):
-        if key in want:
-          np.testing.assert_allclose(row[key], want[key], rtol=2e-5,
-                                     atol=1e-6, err_msg=key)
-
-
-# Two fake devices: steps 1-2 with the row's tokens split over both
-# (context=2), then a resume of that checkpoint with context=1 (data=2).
-_CONTEXT = """
-import importlib.util
-import sys
-
-from kda_lm import training
-
-spec = importlib.util.spec_from_file_location("tiny", sys.argv[1])
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-for context, steps in ((2, 2), (1, 4)):
-  config = module.get_config()
-  config.mesh.context = context
-  config.train.num_steps = steps
-  training.train_and_evaluate(config, sys.argv[2])
-"""
-
-
-def test_context_parallel_matches_one_and_resumes(tmp_path, data_dir,
-                                                  cache_dir):
-  one = str(tmp_path / "one")
-  training.train_and_evaluate(tiny_config(data_dir, eval__every_steps=0),
-                              one)
-  sharded = str(tmp_path / "sharded")
-  result = subprocess.run(
-      [sys.executable, "-c", _CONTEXT,
-       write_config_file(tmp_path, data_dir, eval__every_steps=0), sharded],
-      cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
-      env=subprocess_env(
-          cache_dir, "--xla_force_host_platform_device_count=2"))
-  assert result.returncode == 0, result.stderr[-4000:]
-  rows, expected = train_rows(sharded), train_rows(one)
-  assert [r["step"] for r in rows] == [1, 2, 3, 4]
-  for row, want in zip(rows, expected, strict=True):
-    for key in ("loss", "accuracy"):
-      np.testing.assert_allclose(row[key], want[key], rtol=1e-5, err_msg=key)
+      for key in ("loss", "accuracy", "grad_norm"):
+        np.testing.assert_allclose(row[key], want[key], rtol=2e-5,
+                                   atol=1e-6, err_msg=f"{workdir} {key}")
+    np.testing.assert_allclose(eval_losses(workdir)[3], expected_eval[3],
+                               rtol=2e-5, err_msg=workdir)
 
 
 # ---------------------------------------------------------------------------
