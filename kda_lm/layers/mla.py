@@ -249,6 +249,20 @@ def _attend_shard(offset, local, whole, params, *, N, scale, q_block):
   return jnp.concatenate(outs, axis=1)
 
 
+def _attend_context_parallel(q_BTHP, c_kv_BTC, k_rope_BTR, segment_ids,
+                             w_CHX, *, N, scale, q_block):
+  """The attention core with T split over the `context` mesh axis: local
+  queries, the latent, RoPE key and piece ids gathered over all shards."""
+  B, T = q_BTHP.shape[:2]
+  ids_BT = (jnp.ones((B, T), jnp.int32) if segment_ids is None
+            else segment_ids)
+  piece_BT = segments.piece_ids(ids_BT)
+  return context_parallel.gather_map(
+      functools.partial(_attend_shard, N=N, scale=scale, q_block=q_block),
+      [q_BTHP, piece_BT], [c_kv_BTC, k_rope_BTR, piece_BT, ids_BT != 0],
+      [w_CHX])
+
+
 def _kv_b_weight(C, H, X, param_dtype):
   """`kv_b_proj`'s weight as [C,H,X] (X = N + E), for the absorbed decode.
 
@@ -387,15 +401,11 @@ class MultiHeadLatentAttention(hk.Module):
       if max_len is not None:
         raise ValueError("An MLA prefill (max_len) is not supported under "
                          "context parallelism.")
-      ids = (jnp.ones((B, T), jnp.int32) if segment_ids is None
-             else segment_ids)
-      piece_BT = segments.piece_ids(ids)
-      o_BTHE = context_parallel.gather_map(
-          functools.partial(_attend_shard, N=N, scale=scale,
-                            q_block=self.q_block),
-          [jnp.concatenate([q_nope_BTHN, q_rope_BTHR], axis=-1), piece_BT],
-          [c_kv_BTC, k_rope_BT1R[:, :, 0], piece_BT, ids != 0],
-          [_kv_b_weight(C, H, N + E, self.param_dtype)])
+      o_BTHE = _attend_context_parallel(
+          jnp.concatenate([q_nope_BTHN, q_rope_BTHR], axis=-1), c_kv_BTC,
+          k_rope_BT1R[:, :, 0], segment_ids,
+          _kv_b_weight(C, H, N + E, self.param_dtype), N=N, scale=scale,
+          q_block=self.q_block)
       return _output(x, o_BTHE, segment_ids, dense, self.output_gate)
     kv_BTHX = dense(H * (N + E), "kv_b_proj")(c_kv_BTC).reshape(
         B, T, H, N + E)
