@@ -39,7 +39,6 @@ Usage:
 """
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -51,6 +50,8 @@ from etils import epath
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from kda_lm import workdir as workdir_lib
 
 STATE_ITEM = "state"
 DATA_ITEM = "data"
@@ -73,14 +74,6 @@ class CorruptCheckpointError(ValueError):
   """A checkpoint's files do not match the manifest written with it."""
 
 
-def _sha256(path: str) -> str:
-  digest = hashlib.sha256()
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      digest.update(block)
-  return digest.hexdigest()
-
-
 def _step_files(step_dir: str) -> dict[str, str]:
   """Maps relative paths to absolute paths of a step's files (no manifest)."""
   files = {}
@@ -95,7 +88,8 @@ def _step_files(step_dir: str) -> dict[str, str]:
 
 def write_manifest(step_dir: str) -> None:
   """Writes `manifest.json`: size and SHA-256 of every file of a step."""
-  entries = {rel: {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+  entries = {rel: {"bytes": os.path.getsize(path),
+                    "sha256": workdir_lib.file_sha256(path)}
              for rel, path in sorted(_step_files(step_dir).items())}
   path = os.path.join(step_dir, MANIFEST_FILE)
   with open(path + ".tmp", "w", encoding="utf-8") as f:
@@ -133,7 +127,7 @@ def verify_manifest(step_dir: str) -> bool:
       raise CorruptCheckpointError(
           f"{rel} has {size} bytes, the manifest says "
           f"{expected[rel]['bytes']}")
-    if _sha256(found[rel]) != expected[rel]["sha256"]:
+    if workdir_lib.file_sha256(found[rel]) != expected[rel]["sha256"]:
       raise CorruptCheckpointError(
           f"{rel} does not match its SHA-256 in the manifest (its bytes "
           "changed after the save)")

@@ -19,6 +19,7 @@ owns the rules that keep that record true:
 import dataclasses
 import datetime
 import fcntl
+import hashlib
 import json
 import os
 import socket
@@ -169,6 +170,15 @@ class Change:
 
   def __str__(self) -> str:
     return f"{self.key}: {self.saved!r} -> {self.given!r}"
+
+
+def file_sha256(path: str) -> str:
+  """The hex SHA-256 of a file (checkpoint manifests, tokenizer files)."""
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      digest.update(block)
+  return digest.hexdigest()
 
 
 def config_changes(saved: Mapping[str, Any], given: Mapping[str, Any]
