@@ -18,9 +18,11 @@ T and exchange what crosses a shard boundary:
   `o0 + P X`. No second pass.
 * The short convolution (`left_halo_map`): the last `J - 1` inputs and ids
   of the left neighbour arrive by `ppermute`; shard 0 gets zeros.
-* MLA (`gather_map`): queries stay local; the latent and the RoPE key (and
-  the ids) are all-gathered over `context`; the core masks by global
-  positions.
+* MLA (`gather_map`, `swap_with_mirror`): the latent and the RoPE key (and
+  the ids) are all-gathered over `context`; shard i attends for its first
+  half and for the second half of shard n - 1 - i (queries and outputs
+  swapped by `ppermute`), which balances the causal work; the core masks
+  by global positions.
 * The MoE dispatch (`token_map`) is token-wise but sorts all tokens by
   expert, which GSPMD would replicate on every shard: it runs per shard.
 
@@ -316,6 +318,21 @@ def gather_map(fn: Callable[..., jax.Array], local: Sequence[jax.Array],
 
   specs = (rows,) * (nl + ng) + (P(),) * len(replicated)
   return _shard_map(body, specs, rows)(*local, *gathered, *replicated)
+
+
+def swap_with_mirror(x: jax.Array, n: int) -> jax.Array:
+  """Inside `gather_map`'s `fn`: shard i's `x` goes to shard n - 1 - i and
+  comes back from it (the middle shard of an odd n keeps its own).
+
+  Args:
+    x: any per-shard array.
+    n: the `context` size.
+
+  Returns:
+    The mirror shard's `x`.
+  """
+  return jax.lax.ppermute(x, CONTEXT_AXIS,
+                          [(s, n - 1 - s) for s in range(n)])
 
 
 def token_map(fn: Callable[..., jax.Array], tokens: Sequence[jax.Array],

@@ -100,9 +100,10 @@ def layer_inputs(T=64):
   return jnp.asarray(ids), jnp.asarray(x.astype(np.float32))
 
 
-def layer_errors(name, build, n=4):
-  """Output and gradient (params and input) errors of a layer at n vs 1."""
-  ids, x = layer_inputs()
+def layer_errors(name, build, shards=(4,), T=64):
+  """Output and gradient (params and input) errors of a layer at each
+  shard count vs 1 device; cases named `name_n` (`name` for n = 4)."""
+  ids, x = layer_inputs(T)
   f = hk.without_apply_rng(hk.transform(lambda x, ids: build()(x, ids)))
   params = f.init(jax.random.PRNGKey(0), x, ids)
   weight = jnp.sin(jnp.arange(x.shape[0] * x.shape[1] * 24.0))
@@ -113,14 +114,18 @@ def layer_errors(name, build, n=4):
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
   res = {}
-  for m in (1, n):
+  for m in (1,) + tuple(shards):
     with jax.set_mesh(mesh(m)):
       res[m] = step(params, x)
   (_, y1), g1 = res[1]
-  (_, y), g = res[n]
-  return {name: {"y": testing.rel_err(y, y1), "grads": max(
-      testing.rel_err(a, b)
-      for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g1), strict=True))}}
+  out = {}
+  for n in shards:
+    (_, y), g = res[n]
+    out[name if n == 4 else f"{name}_{n}"] = {
+        "y": testing.rel_err(y, y1), "grads": max(
+            testing.rel_err(a, b) for a, b in zip(
+                jax.tree.leaves(g), jax.tree.leaves(g1), strict=True))}
+  return out
 
 
 def tiny_model():
@@ -212,9 +217,13 @@ def main():
   else:
     out.update(layer_errors("conv", lambda: conv.ShortConvolution(
         4, with_bias=True)))
-    out.update(layer_errors("mla", lambda: mla.MultiHeadLatentAttention(
+    build_mla = lambda: mla.MultiHeadLatentAttention(
         2, q_lora_rank=8, kv_lora_rank=16, qk_nope_head_dim=8,
-        qk_rope_head_dim=4, v_head_dim=8, output_gate=True, q_block=8)))
+        qk_rope_head_dim=4, v_head_dim=8, output_gate=True, q_block=8)
+    # Balanced pieces (even T/n: 32, 16 and 8 tokens per shard), then the
+    # contiguous layout (T/n = 17 tokens).
+    out.update(layer_errors("mla", build_mla, shards=(2, 4, 8)))
+    out.update(layer_errors("mla_odd", build_mla, T=68))
     out.update(model_errors())
     out.update(refusals())
   print(json.dumps(out))

@@ -56,7 +56,8 @@ def test_chunk_kda_sharded_equals_one_device(op_results, case):
   assert max(errors[k] for k in grads) <= GRAD, errors
 
 
-@pytest.mark.parametrize("layer", ["conv", "mla"])
+@pytest.mark.parametrize("layer", ["conv", "mla", "mla_2", "mla_8",
+                                   "mla_odd"])
 def test_layers_sharded_equal_one_device(layer_results, layer):
   errors = layer_results[layer]
   assert errors["y"] <= FWD and errors["grads"] <= GRAD, errors

@@ -19,9 +19,10 @@ outputs zeros. Rows longer than `q_block` attend in causal query blocks
 pass, so long rows neither compute the upper triangle's blocks nor store
 the [T,T] probabilities.
 
-Under context parallelism (`kda_lm/context_parallel.py`) queries stay on
-their shard and `c_kv`, the RoPE key and the ids are gathered whole
-(`_attend_shard`).
+Under context parallelism (`kda_lm/context_parallel.py`) `c_kv`, the RoPE
+key and the ids are gathered whole, and each shard attends for one early
+and one late piece of the row, so causal work is the same on every shard
+(`_attend_shard_balanced`).
 
 Decoding (`kda_lm.decoding`): `max_len=S` (a prefill) also returns an
 `MLACache`: the normalised latent `c_kv` and the rotated shared RoPE key of
@@ -52,14 +53,23 @@ from kda_lm.layers import linear, norm, rope
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def _block_mask(t_t, S, piece_Bt, piece_BS, valid_BS):
-  """Mask of queries at positions `t_t [t]` against keys [0, S):
-  [B or 1,1,t,S]."""
-  mask = (t_t[:, None] >= jnp.arange(S)[None, :])[None]
+def _block_mask(t_t, s_S, piece_Bt, piece_BS, valid_BS):
+  """Mask of queries at positions `t_t [t]` against keys at positions
+  `s_S [S]`: [B or 1,1,t,S]."""
+  mask = (t_t[:, None] >= s_S[None, :])[None]
   if piece_Bt is not None:
     same = piece_Bt[:, :, None] == piece_BS[:, None, :]
     mask = mask & same & valid_BS[:, None, :]
   return mask[:, None]
+
+
+def _masked_scores(q_BtHP, k_BSHP, t_t, s_S, piece_Bt, piece_BS, valid_BS,
+                   scale):
+  """Scaled float32 scores [B,H,t,S], MASK_VALUE where masked."""
+  s_BHtS = jnp.einsum("bthp,bshp->bhts", q_BtHP, k_BSHP,
+                      preferred_element_type=jnp.float32) * scale
+  mask = _block_mask(t_t, s_S, piece_Bt, piece_BS, valid_BS)
+  return jnp.where(mask, s_BHtS, MASK_VALUE)
 
 
 def _attend_block(q_BtHP, k_BSHP, v_BSHE, t_t, piece_Bt, piece_BS, valid_BS,
@@ -69,14 +79,28 @@ def _attend_block(q_BtHP, k_BSHP, v_BSHE, t_t, piece_Bt, piece_BS, valid_BS,
   Returns:
     [B,t,H,E] float32.
   """
-  S = k_BSHP.shape[1]
-  s_BHtS = jnp.einsum("bthp,bshp->bhts", q_BtHP, k_BSHP,
-                      preferred_element_type=jnp.float32) * scale
-  mask = _block_mask(t_t, S, piece_Bt, piece_BS, valid_BS)
-  s_BHtS = jnp.where(mask, s_BHtS, MASK_VALUE)
+  s_BHtS = _masked_scores(q_BtHP, k_BSHP, t_t, jnp.arange(k_BSHP.shape[1]),
+                          piece_Bt, piece_BS, valid_BS, scale)
   p_BHtS = jax.nn.softmax(s_BHtS, axis=-1).astype(v_BSHE.dtype)
   return jnp.einsum("bhts,bshe->bthe", p_BHtS, v_BSHE,
                     preferred_element_type=jnp.float32)
+
+
+def _attend_block_lse(q_BtHP, k_BSHP, v_BSHE, t_t, s_S, piece_Bt, piece_BS,
+                      valid_BS, *, scale):
+  """`_attend_block` over keys at positions `s_S`, with the log-sum-exp of
+  each query's masked scores (to merge attention over several key sets).
+
+  Returns:
+    (o [B,t,H,E] float32, lse [B,t,H] float32).
+  """
+  s_BHtS = _masked_scores(q_BtHP, k_BSHP, t_t, s_S, piece_Bt, piece_BS,
+                          valid_BS, scale)
+  lse_BHt = jax.nn.logsumexp(s_BHtS, axis=-1)
+  p_BHtS = jnp.exp(s_BHtS - lse_BHt[..., None]).astype(v_BSHE.dtype)
+  o_BtHE = jnp.einsum("bhts,bshe->bthe", p_BHtS, v_BSHE,
+                      preferred_element_type=jnp.float32)
+  return o_BtHE, jnp.swapaxes(lse_BHt, 1, 2)
 
 
 class MLACache(NamedTuple):
@@ -207,12 +231,35 @@ def _attend(q_BTHP, k_BTHP, v_BTHE, piece_BT, valid_BT, *, scale, q_block):
   return jnp.concatenate(outs, axis=1)
 
 
-def _attend_shard(offset, local, whole, params, *, N, scale, q_block):
-  """One context-parallel shard of MLA: local queries, whole-row keys.
+def _expand_keys(whole, w_CHX, N):
+  """Whole-row keys and values from the gathered latent and RoPE key.
+
+  Args:
+    whole: [c_kv [B,S,Z], k_rope [B,S,R], piece ids [B,S], valid [B,S]].
+    w_CHX: kv_b_proj's weight [Z,H,U+V].
+    N: the unrotated (no-RoPE) dims of a head.
+
+  Returns:
+    [k [B,S,H,P], v [B,S,H,E], piece ids [B,S], valid [B,S]].
+  """
+  c_BSC, k_rope_BSR, piece_BS, valid_BS = whole
+  B, S = c_BSC.shape[:2]
+  H = w_CHX.shape[1]
+  kv_BSHX = jnp.einsum("bsc,chx->bshx", c_BSC, w_CHX.astype(c_BSC.dtype),
+                       preferred_element_type=c_BSC.dtype)
+  k_BSHP = jnp.concatenate([kv_BSHX[..., :N], jnp.broadcast_to(
+      k_rope_BSR[:, :, None], (B, S, H, k_rope_BSR.shape[-1]))], axis=-1)
+  return [k_BSHP, kv_BSHX[..., N:], piece_BS, valid_BS]
+
+
+def _attend_shard_contiguous(offset, local, whole, params, *, N, scale,
+                             q_block):
+  """One context-parallel shard of MLA, its own queries against the whole
+  row (the unbalanced layout, for an odd number of tokens per shard).
 
   Args:
     offset: int32 global position of the shard's first query.
-    local: [q [B,t,H,K], piece ids [B,t]] of the shard's queries.
+    local: [q [B,t,H,P], piece ids [B,t]] of the shard's queries.
     whole: [c_kv [B,S,Z], k_rope [B,S,R], piece ids [B,S], valid [B,S]] of
       the whole row (all-gathered).
     params: [kv_b_proj weight [Z,H,U+V]].
@@ -221,19 +268,11 @@ def _attend_shard(offset, local, whole, params, *, N, scale, q_block):
     q_block: queries per rematerialised block.
 
   Returns:
-    [B,t,H,V] float32.
+    [B,t,H,E] float32.
   """
   q_BtHP, piece_Bt = local
-  c_BSC, k_rope_BSR, piece_BS, valid_BS = whole
-  (w_CHX,) = params
-  B, S = c_BSC.shape[:2]
-  H = w_CHX.shape[1]
-  kv_BSHX = jnp.einsum("bsc,chx->bshx", c_BSC, w_CHX.astype(c_BSC.dtype),
-                       preferred_element_type=c_BSC.dtype)
-  k_BSHP = jnp.concatenate([kv_BSHX[..., :N], jnp.broadcast_to(
-      k_rope_BSR[:, :, None], (B, S, H, k_rope_BSR.shape[-1]))], axis=-1)
-  v_BSHE = kv_BSHX[..., N:]
-  t = q_BtHP.shape[1]
+  k_BSHP, v_BSHE, piece_BS, valid_BS = _expand_keys(whole, params[0], N)
+  S, t = k_BSHP.shape[1], q_BtHP.shape[1]
   t_t = offset + jnp.arange(t)
   attend = jax.checkpoint(functools.partial(_attend_block, scale=scale))
   outs = []
@@ -249,16 +288,111 @@ def _attend_shard(offset, local, whole, params, *, N, scale, q_block):
   return jnp.concatenate(outs, axis=1)
 
 
+def _attend_piece(q_BhHP, piece_Bh, p, kp, keys, *, diagonal, scale,
+                  q_block):
+  """Queries of piece `p` against the keys of piece `kp` (pieces of h
+  tokens: piece p holds global positions [p h, (p + 1) h)).
+
+  Args:
+    q_BhHP: [B,h,H,P] queries; piece_Bh: [B,h] their piece ids.
+    p, kp: int32 (traced) piece indices, kp <= p.
+    keys: [k [B,S,H,P], v [B,S,H,E], piece ids [B,S], valid [B,S]] of the
+      whole row.
+    diagonal: kp == p; query block [a, b) of the piece then reads the
+      piece's keys [0, b) only (the causal block skip).
+    scale: score scale.
+    q_block: queries per rematerialised block.
+
+  Returns:
+    (o [B,h,H,E], lse [B,h,H]) float32, as `_attend_block_lse`.
+  """
+  h = q_BhHP.shape[1]
+  k_BhHP, v_BhHE, pk_Bh, valid_Bh = [
+      jax.lax.dynamic_slice_in_dim(a, kp * h, h, axis=1) for a in keys]
+  t_h, s_h = p * h + jnp.arange(h), kp * h + jnp.arange(h)
+  attend = jax.checkpoint(functools.partial(_attend_block_lse, scale=scale))
+  outs = []
+  for start in range(0, h, q_block):
+    stop = min(start + q_block, h)
+    width = stop if diagonal else h
+    outs.append(attend(q_BhHP[:, start:stop], k_BhHP[:, :width],
+                       v_BhHE[:, :width], t_h[start:stop], s_h[:width],
+                       piece_Bh[:, start:stop], pk_Bh[:, :width],
+                       valid_Bh[:, :width]))
+  return tuple(jnp.concatenate(parts, axis=1) for parts in zip(*outs))
+
+
+def _merge_pieces(results, members):
+  """Softmax attention over the union of several key sets: [B,h,H,E].
+
+  Args:
+    results: (o [B,h,H,E], lse [B,h,H]) per key set.
+    members: bool (traced) per key set: whether it belongs to this query
+      piece; the others get weight exactly 0.
+  """
+  o_mBhHE = jnp.stack([o for o, _ in results])
+  lse_mBhH = jnp.stack([jnp.where(keep, lse, MASK_VALUE)
+                        for (_, lse), keep in zip(results, members)])
+  w_mBhH = jax.nn.softmax(lse_mBhH, axis=0)
+  return jnp.einsum("mbth,mbthe->bthe", w_mBhH, o_mBhHE)
+
+
+def _attend_shard_balanced(offset, local, whole, params, *, N, scale,
+                           q_block):
+  """One context-parallel shard of MLA with balanced causal work.
+
+  The row is cut into 2n pieces of h = t/2 tokens; shard i holds pieces 2i
+  and 2i + 1. It attends for its first piece A = 2i and for the second piece
+  of its mirror shard n - 1 - i, B = 2n - 1 - 2i (the two swap their second
+  pieces' queries and outputs by `ppermute`), so every shard reads 2n + 1
+  key pieces: A's and B's diagonal pieces (causal block skip) and 2n - 1
+  earlier pieces, pieces 0..2i-1 for A and 0..2n-2-2i for B. The diagonal
+  pieces sit at static positions in the work list, the others are sliced
+  at traced offsets, and the partial softmaxes merge by log-sum-exp.
+
+  Args and Returns: as `_attend_shard_contiguous` (t even).
+  """
+  q_BtHP, piece_Bt = local
+  keys = _expand_keys(whole, params[0], N)
+  t = q_BtHP.shape[1]
+  h, n = t // 2, keys[0].shape[1] // t
+  i = offset // t
+  swap = functools.partial(context_parallel.swap_with_mirror, n=n)
+  q_a, q_b = q_BtHP[:, :h], swap(q_BtHP[:, h:])
+  piece_a, piece_b = piece_Bt[:, :h], swap(piece_Bt[:, h:])
+  p_a, p_b = 2 * i, 2 * n - 1 - 2 * i
+  attend = functools.partial(_attend_piece, keys=keys, scale=scale,
+                             q_block=q_block)
+  res_a = [attend(q_a, piece_a, p_a, p_a, diagonal=True)]
+  res_b = [attend(q_b, piece_b, p_b, p_b, diagonal=True)]
+  first = [True]
+  for m in range(2 * n - 1):
+    is_a = m < p_a
+    res = attend(jnp.where(is_a, q_a, q_b), jnp.where(is_a, piece_a, piece_b),
+                 jnp.where(is_a, p_a, p_b), jnp.where(is_a, m, m - p_a),
+                 diagonal=False)
+    res_a.append(res)
+    res_b.append(res)
+    first.append(is_a)
+  o_a = _merge_pieces(res_a, first)
+  o_b = _merge_pieces(res_b, [True] + [~f for f in first[1:]])
+  return jnp.concatenate([o_a, swap(o_b)], axis=1)
+
+
 def _attend_context_parallel(q_BTHP, c_kv_BTC, k_rope_BTR, segment_ids,
                              w_CHX, *, N, scale, q_block):
   """The attention core with T split over the `context` mesh axis: local
-  queries, the latent, RoPE key and piece ids gathered over all shards."""
+  queries, the latent, RoPE key and piece ids gathered over all shards.
+  Balanced (`_attend_shard_balanced`) when each shard holds an even number
+  of tokens."""
   B, T = q_BTHP.shape[:2]
   ids_BT = (jnp.ones((B, T), jnp.int32) if segment_ids is None
             else segment_ids)
   piece_BT = segments.piece_ids(ids_BT)
+  balanced = (T // context_parallel.context_size()) % 2 == 0
+  shard = _attend_shard_balanced if balanced else _attend_shard_contiguous
   return context_parallel.gather_map(
-      functools.partial(_attend_shard, N=N, scale=scale, q_block=q_block),
+      functools.partial(shard, N=N, scale=scale, q_block=q_block),
       [q_BTHP, piece_BT], [c_kv_BTC, k_rope_BTR, piece_BT, ids_BT != 0],
       [w_CHX])
 
