@@ -13,8 +13,8 @@ step it reports
   of one device's program, a count from the HLO text, not a measurement;
 * extra FLOPs: (n x per-device FLOPs - single-device FLOPs) / single-device
   FLOPs (`cost_analysis()`): the work the exchange adds (the widened KDA
-  pass, the state combine, the whole-row MLA keys without the causal
-  block skip, and whatever GSPMD partitions differently).
+  pass, the state combine, MLA's extra diagonal half piece per shard and
+  whole-row key expansion, and whatever GSPMD partitions differently).
 
 Usage (each device count compiles in its own subprocess):
 

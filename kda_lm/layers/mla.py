@@ -319,7 +319,8 @@ def _attend_piece(q_BhHP, piece_Bh, p, kp, keys, *, diagonal, scale,
                        v_BhHE[:, :width], t_h[start:stop], s_h[:width],
                        piece_Bh[:, start:stop], pk_Bh[:, :width],
                        valid_Bh[:, :width]))
-  return tuple(jnp.concatenate(parts, axis=1) for parts in zip(*outs))
+  return tuple(jnp.concatenate(parts, axis=1)
+               for parts in zip(*outs, strict=True))
 
 
 def _merge_pieces(results, members):
@@ -331,8 +332,9 @@ def _merge_pieces(results, members):
       piece; the others get weight exactly 0.
   """
   o_mBhHE = jnp.stack([o for o, _ in results])
-  lse_mBhH = jnp.stack([jnp.where(keep, lse, MASK_VALUE)
-                        for (_, lse), keep in zip(results, members)])
+  lse_mBhH = jnp.stack([
+      jnp.where(keep, lse, MASK_VALUE)
+      for (_, lse), keep in zip(results, members, strict=True)])
   w_mBhH = jax.nn.softmax(lse_mBhH, axis=0)
   return jnp.einsum("mbth,mbthe->bthe", w_mBhH, o_mBhHE)
 
