@@ -134,14 +134,16 @@ def tiny_model():
                          kv_lora_rank=16, qk_nope_head_dim=8,
                          qk_rope_head_dim=8, v_head_dim=8, mlp_hidden_dim=64,
                          moe_intermediate_size=16, num_experts=4,
-                         vocab_size=32, kda_chunk_size=16).items():
+                         vocab_size=32, kda_chunk_size=16,
+                         num_mtp_layers=1).items():
     m[key] = value
   return model_lib.build(m)
 
 
 def model_errors(n=4):
-  """Logits and parameter gradients at n vs 1; each document of a packed
-  row against the same document alone in a row of padding."""
+  """Logits (main and MTP) and parameter gradients at n vs 1; each
+  document of a packed row against the same document alone in a row of
+  padding."""
   ids, _ = layer_inputs()
   model = tiny_model()
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 32, ids.shape),
@@ -149,9 +151,11 @@ def model_errors(n=4):
   params = model.init(jax.random.PRNGKey(0), tokens, ids)
 
   def loss(p, tokens, ids):
-    logits = model.apply(p, tokens, ids)
-    logp = jax.nn.log_softmax(logits)[..., 0]
-    return jnp.sum(logp * (ids != 0)) / jnp.sum(ids != 0), logits
+    logits, aux = model.apply(p, tokens, ids, return_aux=True)
+    logp = (jax.nn.log_softmax(logits)[..., 0]
+            + 0.1 * jax.nn.log_softmax(aux["mtp_logits"][0])[..., 0])
+    return jnp.sum(logp * (ids != 0)) / jnp.sum(ids != 0), (
+        logits, aux["mtp_logits"])
 
   step = jax.jit(jax.value_and_grad(loss, has_aux=True))
   res = {}
@@ -160,7 +164,8 @@ def model_errors(n=4):
       res[m] = step(params, tokens, ids)
   (_, l1), g1 = res[1]
   (_, ln), gn = res[n]
-  out = {"logits": testing.rel_err(ln, l1), "grads": max(
+  out = {"logits": max(testing.rel_err(a, b)
+                       for a, b in zip(ln, l1, strict=True)), "grads": max(
       testing.rel_err(a, b)
       for a, b in zip(jax.tree.leaves(gn), jax.tree.leaves(g1), strict=True))}
   # Row 0's documents one at a time, each at the start of a padded row.
@@ -176,8 +181,10 @@ def model_errors(n=4):
   with jax.set_mesh(mesh(n)):
     (_, la), _ = step(params, jnp.asarray(np.stack([a[0] for a in alone])),
                       jnp.asarray(np.stack([a[1] for a in alone])))
+  # Main logits [B,T,W] and MTP logits [1,B,T,W].
   out["documents"] = max(
-      testing.rel_err(la[i, :w.size], ln[0, w]) for i, w in enumerate(spans))
+      testing.rel_err(a[..., i, :w.size, :], b[..., 0, w, :])
+      for a, b in zip(la, ln, strict=True) for i, w in enumerate(spans))
   return {"model": out}
 
 

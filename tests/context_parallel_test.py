@@ -67,7 +67,7 @@ def test_model_sharded_equals_one_device(layer_results):
   errors = layer_results["model"]
   assert errors["logits"] <= FWD, errors
   assert errors["grads"] <= GRAD, errors
-  # Each document of a packed row: the logits it gets alone.
+  # Each document of a packed row: the logits (main and MTP) it gets alone.
   assert errors["documents"] <= FWD, errors
 
 
