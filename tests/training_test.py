@@ -27,6 +27,9 @@ from kda_lm import workdir as workdir_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Tiny shapes: compilation dominates (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 # A 2-layer KDA + MLA model on delayed copy (delay 4) with 4 x 32 batches.
 TINY = {
     "model.d_model": 32,
@@ -128,6 +131,8 @@ def subprocess_env(cache_dir, xla_flags=""):
   env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
   env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   env["JAX_PLATFORMS"] = "cpu"
+  # Tiny shapes: compilation dominates (as the `fast_compile` fixture).
+  env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
   return env
 
