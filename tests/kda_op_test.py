@@ -30,6 +30,11 @@ from kda_lm import testing
 from kda_lm.ops import chunk_kda
 from kda_lm.ops.kda import api
 
+# Tiny shapes: compilation dominates (conftest.fast_compile); two cases of
+# `test_optimised_compile_matches_reference` compile with every
+# optimization, as users run the op.
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 IMPLS_UNDER_TEST = ["xla"]   # compared against "reference"
 ALL_IMPLS = ["reference"] + IMPLS_UNDER_TEST
 
@@ -111,10 +116,12 @@ def _grad_fn(impl, frozen):
   return jax.jit(jax.grad(loss, has_aux=True))
 
 
-def fwd_and_grads(impl, params, do, dht, segment_ids=None, **static):
-  """Returns numpy (o, final_state, {name: grad}) from one compiled call."""
-  grads, (o, s) = _grad_fn(impl, _freeze(static))(params, segment_ids, do,
-                                                  dht)
+def fwd_and_grads(impl, params, do, dht, segment_ids=None, fresh=False,
+                  **static):
+  """Returns numpy (o, final_state, {name: grad}) from one compiled call;
+  `fresh` compiles anew (under the current XLA settings), uncached."""
+  make = _grad_fn.__wrapped__ if fresh else _grad_fn
+  grads, (o, s) = make(impl, _freeze(static))(params, segment_ids, do, dht)
   return jax.tree.map(np.asarray, (o, s, grads))
 
 
@@ -420,9 +427,26 @@ def _reference_result(name):
 @pytest.mark.parametrize("impl", IMPLS_UNDER_TEST)
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_reference(name, impl):
+  _check_matches_reference(name, impl)
+
+
+@pytest.mark.parametrize("name", ["t200_softplus_h0_segs", "t200_safe"])
+def test_optimised_compile_matches_reference(name):
+  previous = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", False)
+  try:
+    _check_matches_reference(name, "xla", fresh=True)
+  finally:
+    jax.config.update("jax_disable_most_optimizations", previous)
+
+
+def _check_matches_reference(name, impl, fresh=False):
+  """Output, final state and every gradient of `impl` on case `name`
+  against the reference, at the case's tolerances."""
   _, low, static, seg, do, dht = case_inputs(name)
   o_ref, s_ref, g_ref = _reference_result(name)
-  o, s, grads = fwd_and_grads(impl, low, do, dht, segment_ids=seg, **static)
+  o, s, grads = fwd_and_grads(impl, low, do, dht, segment_ids=seg,
+                              fresh=fresh, **static)
   assert o.dtype == low["q"].dtype and s.dtype == np.float32
   bf16 = CASES[name][4] == "bf16"
   spikes = CASES[name][5]
