@@ -4,8 +4,9 @@ device, for the KDA op, the short convolution, MLA and the model.
 Fake CPU devices must exist before JAX starts, so the checks run in a
 subprocess (`context_parallel_checks.py`, one per group, each reusing its
 compiled functions) that prints the measured errors; the tests here hold
-them to the tolerances: forward 1e-5 relative, gradients 1e-4. The op runs
-with impl "xla" (chunk 16) and "pallas" (interpret mode, chunk 64).
+them to the tolerances: forward 1e-5 relative, gradients 1e-4. Each group's
+tests share an `xdist_group`, so that one worker runs its subprocess. The
+op runs with impl "xla" (chunk 16) and "pallas" (interpret mode, chunk 64).
 """
 
 import json
@@ -43,6 +44,7 @@ def layer_results():
   return _run_checks("layers")
 
 
+@pytest.mark.xdist_group("context_parallel_op")
 @pytest.mark.parametrize("case", ["op_xla_safe_4", "op_xla_safe_8",
                                   "op_xla_pre_2", "op_pallas_safe_2"])
 def test_chunk_kda_sharded_equals_one_device(op_results, case):
@@ -56,6 +58,7 @@ def test_chunk_kda_sharded_equals_one_device(op_results, case):
   assert max(errors[k] for k in grads) <= GRAD, errors
 
 
+@pytest.mark.xdist_group("context_parallel_layers")
 @pytest.mark.parametrize("layer", ["conv", "mla", "mla_2", "mla_8",
                                    "mla_odd"])
 def test_layers_sharded_equal_one_device(layer_results, layer):
@@ -63,6 +66,7 @@ def test_layers_sharded_equal_one_device(layer_results, layer):
   assert errors["y"] <= FWD and errors["grads"] <= GRAD, errors
 
 
+@pytest.mark.xdist_group("context_parallel_layers")
 def test_model_sharded_equals_one_device(layer_results):
   errors = layer_results["model"]
   assert errors["logits"] <= FWD, errors
@@ -71,6 +75,7 @@ def test_model_sharded_equals_one_device(layer_results):
   assert errors["documents"] <= FWD, errors
 
 
+@pytest.mark.xdist_group("context_parallel_layers")
 def test_refusals_name_the_problem(layer_results):
   messages = layer_results["refusals"]
   assert "not a multiple of mesh.context = 4" in messages["t_not_divisible"]

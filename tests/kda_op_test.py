@@ -17,6 +17,7 @@ forward+gradient function per (impl, static config), cached in
 `_grad_fn`; checks that need several calls reuse one compiled shape.
 """
 
+import contextlib
 import functools
 import os
 
@@ -430,14 +431,22 @@ def test_matches_reference(name, impl):
   _check_matches_reference(name, impl)
 
 
-@pytest.mark.parametrize("name", ["t200_softplus_h0_segs", "t200_safe"])
-def test_optimised_compile_matches_reference(name):
+@contextlib.contextmanager
+def _fully_optimised():
+  """Compiles with every XLA optimization inside (this module skips most);
+  use with `fresh=True`, since jit's cache ignores the setting."""
   previous = jax.config.read("jax_disable_most_optimizations")
   jax.config.update("jax_disable_most_optimizations", False)
   try:
-    _check_matches_reference(name, "xla", fresh=True)
+    yield
   finally:
     jax.config.update("jax_disable_most_optimizations", previous)
+
+
+@pytest.mark.parametrize("name", ["t200_softplus_h0_segs", "t200_safe"])
+def test_optimised_compile_matches_reference(name):
+  with _fully_optimised():
+    _check_matches_reference(name, "xla", fresh=True)
 
 
 def _check_matches_reference(name, impl, fresh=False):
@@ -630,12 +639,15 @@ def test_causality(config, impl):
 
 @pytest.mark.parametrize("impl", ALL_IMPLS)
 def test_segment_ids_none_equals_all_ones(impl):
+  """Bit for bit in the optimised programs users run (without XLA's
+  optimizations, the two programs may round differently by an ulp)."""
   _, low, static, seg, do, dht = case_inputs("t200_safe")
   assert seg is None
-  o, s, grads = fwd_and_grads(impl, low, do, dht, **static)
   ones = np.ones(low["q"].shape[:2], np.int32)
-  o1, s1, grads1 = fwd_and_grads(impl, low, do, dht, segment_ids=ones,
-                                 **static)
+  with _fully_optimised():
+    o, s, grads = fwd_and_grads(impl, low, do, dht, fresh=True, **static)
+    o1, s1, grads1 = fwd_and_grads(impl, low, do, dht, segment_ids=ones,
+                                   fresh=True, **static)
   assert_same(o1, o, "o")
   assert_same(s1, s, "final_state")
   for n in grads:
