@@ -221,7 +221,7 @@ def main():
     out.update(op_errors("safe", (4, 8)))
     out.update(op_errors("pre", (2,)))
     out.update(op_errors("safe", (2,), impl="pallas"))
-  else:
+  elif which == "layers":
     out.update(layer_errors("conv", lambda: conv.ShortConvolution(
         4, with_bias=True)))
     build_mla = lambda: mla.MultiHeadLatentAttention(
@@ -231,6 +231,7 @@ def main():
     # contiguous layout (T/n = 17 tokens).
     out.update(layer_errors("mla", build_mla, shards=(2, 4, 8)))
     out.update(layer_errors("mla_odd", build_mla, T=68))
+  else:
     out.update(model_errors())
     out.update(refusals())
   print(json.dumps(out))

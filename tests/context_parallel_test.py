@@ -2,11 +2,11 @@
 device, for the KDA op, the short convolution, MLA and the model.
 
 Fake CPU devices must exist before JAX starts, so the checks run in a
-subprocess (`context_parallel_checks.py`, one per group, each reusing its
-compiled functions) that prints the measured errors; the tests here hold
-them to the tolerances: forward 1e-5 relative, gradients 1e-4. Each group's
-tests share an `xdist_group`, so that one worker runs its subprocess. The
-op runs with impl "xla" (chunk 16) and "pallas" (interpret mode, chunk 64).
+subprocess (`context_parallel_checks.py`, one per test: the op, the
+layers, the model and refusals; each reuses its compiled functions) that
+prints the measured errors; the tests here hold them to the tolerances:
+forward 1e-5 relative, gradients 1e-4. The op runs with impl "xla" (chunk
+16) and "pallas" (interpret mode, chunk 64).
 """
 
 import json
@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import jax
-import pytest
 
 from kda_lm import context_parallel
 
@@ -34,50 +33,35 @@ def _run_checks(group):
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def op_results():
-  return _run_checks("op")
+def test_chunk_kda_sharded_equals_one_device():
+  results = _run_checks("op")
+  assert sorted(results) == sorted(["op_xla_safe_4", "op_xla_safe_8",
+                                    "op_xla_pre_2", "op_pallas_safe_2"])
+  for case, errors in results.items():
+    grads = {k for k in errors if k.startswith("d")}
+    want = {"dq", "dk", "dv", "dg", "dbeta", "dinitial_state"}
+    if "safe" in case:
+      want |= {"dA_log", "ddt_bias"}
+    assert grads == want, case
+    assert errors["o"] <= FWD and errors["final_state"] <= FWD, (case, errors)
+    assert max(errors[k] for k in grads) <= GRAD, (case, errors)
 
 
-@pytest.fixture(scope="module")
-def layer_results():
-  return _run_checks("layers")
+def test_layers_sharded_equal_one_device():
+  results = _run_checks("layers")
+  assert sorted(results) == ["conv", "mla", "mla_2", "mla_8", "mla_odd"]
+  for layer, errors in results.items():
+    assert errors["y"] <= FWD and errors["grads"] <= GRAD, (layer, errors)
 
 
-@pytest.mark.xdist_group("context_parallel_op")
-@pytest.mark.parametrize("case", ["op_xla_safe_4", "op_xla_safe_8",
-                                  "op_xla_pre_2", "op_pallas_safe_2"])
-def test_chunk_kda_sharded_equals_one_device(op_results, case):
-  errors = op_results[case]
-  grads = {k for k in errors if k.startswith("d")}
-  want = {"dq", "dk", "dv", "dg", "dbeta", "dinitial_state"}
-  if "safe" in case:
-    want |= {"dA_log", "ddt_bias"}
-  assert grads == want
-  assert errors["o"] <= FWD and errors["final_state"] <= FWD, errors
-  assert max(errors[k] for k in grads) <= GRAD, errors
-
-
-@pytest.mark.xdist_group("context_parallel_layers")
-@pytest.mark.parametrize("layer", ["conv", "mla", "mla_2", "mla_8",
-                                   "mla_odd"])
-def test_layers_sharded_equal_one_device(layer_results, layer):
-  errors = layer_results[layer]
-  assert errors["y"] <= FWD and errors["grads"] <= GRAD, errors
-
-
-@pytest.mark.xdist_group("context_parallel_layers")
-def test_model_sharded_equals_one_device(layer_results):
-  errors = layer_results["model"]
+def test_model_sharded_equals_one_device_and_refusals():
+  results = _run_checks("model")
+  errors = results["model"]
   assert errors["logits"] <= FWD, errors
   assert errors["grads"] <= GRAD, errors
   # Each document of a packed row: the logits (main and MTP) it gets alone.
   assert errors["documents"] <= FWD, errors
-
-
-@pytest.mark.xdist_group("context_parallel_layers")
-def test_refusals_name_the_problem(layer_results):
-  messages = layer_results["refusals"]
+  messages = results["refusals"]
   assert "not a multiple of mesh.context = 4" in messages["t_not_divisible"]
   assert "not cu_seqlens" in messages["cu_seqlens"]
   assert "kernel_size - 1 = 7" in messages["short_shard"]
