@@ -288,13 +288,13 @@ def _attend_shard_contiguous(offset, local, whole, params, *, N, scale,
   return jnp.concatenate(outs, axis=1)
 
 
-def _attend_piece(q_BhHP, piece_Bh, p, kp, keys, *, diagonal, scale,
+def _attend_piece(q_BtHP, piece_Bt, p, kp, keys, *, diagonal, scale,
                   q_block):
-  """Queries of piece `p` against the keys of piece `kp` (pieces of h
-  tokens: piece p holds global positions [p h, (p + 1) h)).
+  """Queries of piece `p` against the keys of piece `kp` (pieces of t
+  tokens: piece p holds global positions [p t, (p + 1) t)).
 
   Args:
-    q_BhHP: [B,h,H,P] queries; piece_Bh: [B,h] their piece ids.
+    q_BtHP: [B,t,H,P] queries; piece_Bt: [B,t] their piece ids.
     p, kp: int32 (traced) piece indices, kp <= p.
     keys: [k [B,S,H,P], v [B,S,H,E], piece ids [B,S], valid [B,S]] of the
       whole row.
@@ -304,46 +304,46 @@ def _attend_piece(q_BhHP, piece_Bh, p, kp, keys, *, diagonal, scale,
     q_block: queries per rematerialised block.
 
   Returns:
-    (o [B,h,H,E], lse [B,h,H]) float32, as `_attend_block_lse`.
+    (o [B,t,H,E], lse [B,t,H]) float32, as `_attend_block_lse`.
   """
-  h = q_BhHP.shape[1]
-  k_BhHP, v_BhHE, pk_Bh, valid_Bh = [
-      jax.lax.dynamic_slice_in_dim(a, kp * h, h, axis=1) for a in keys]
-  t_h, s_h = p * h + jnp.arange(h), kp * h + jnp.arange(h)
+  t = q_BtHP.shape[1]
+  k_BtHP, v_BtHE, pk_Bt, valid_Bt = [
+      jax.lax.dynamic_slice_in_dim(a, kp * t, t, axis=1) for a in keys]
+  t_t, s_t = p * t + jnp.arange(t), kp * t + jnp.arange(t)
   attend = jax.checkpoint(functools.partial(_attend_block_lse, scale=scale))
   outs = []
-  for start in range(0, h, q_block):
-    stop = min(start + q_block, h)
-    width = stop if diagonal else h
-    outs.append(attend(q_BhHP[:, start:stop], k_BhHP[:, :width],
-                       v_BhHE[:, :width], t_h[start:stop], s_h[:width],
-                       piece_Bh[:, start:stop], pk_Bh[:, :width],
-                       valid_Bh[:, :width]))
+  for start in range(0, t, q_block):
+    stop = min(start + q_block, t)
+    width = stop if diagonal else t
+    outs.append(attend(q_BtHP[:, start:stop], k_BtHP[:, :width],
+                       v_BtHE[:, :width], t_t[start:stop], s_t[:width],
+                       piece_Bt[:, start:stop], pk_Bt[:, :width],
+                       valid_Bt[:, :width]))
   return tuple(jnp.concatenate(parts, axis=1)
                for parts in zip(*outs, strict=True))
 
 
 def _merge_pieces(results, members):
-  """Softmax attention over the union of several key sets: [B,h,H,E].
+  """Softmax attention over the union of several key sets: [B,t,H,E].
 
   Args:
-    results: (o [B,h,H,E], lse [B,h,H]) per key set.
+    results: (o [B,t,H,E], lse [B,t,H]) per key set.
     members: bool (traced) per key set: whether it belongs to this query
-      piece; the others get weight exactly 0.
+      piece; the others get weight 0 (exactly, for a query with any key).
   """
-  o_mBhHE = jnp.stack([o for o, _ in results])
-  lse_mBhH = jnp.stack([
+  o_stack = jnp.stack([o for o, _ in results])            # [key sets,B,t,H,E]
+  lse_stack = jnp.stack([
       jnp.where(keep, lse, MASK_VALUE)
       for (_, lse), keep in zip(results, members, strict=True)])
-  w_mBhH = jax.nn.softmax(lse_mBhH, axis=0)
-  return jnp.einsum("mbth,mbthe->bthe", w_mBhH, o_mBhHE)
+  w_stack = jax.nn.softmax(lse_stack, axis=0)
+  return jnp.einsum("mbth,mbthe->bthe", w_stack, o_stack)
 
 
 def _attend_shard_balanced(offset, local, whole, params, *, N, scale,
                            q_block):
   """One context-parallel shard of MLA with balanced causal work.
 
-  The row is cut into 2n pieces of h = t/2 tokens; shard i holds pieces 2i
+  The row is cut into 2n pieces of t/2 tokens; shard i holds pieces 2i
   and 2i + 1. It attends for its first piece A = 2i and for the second piece
   of its mirror shard n - 1 - i, B = 2n - 1 - 2i (the two swap their second
   pieces' queries and outputs by `ppermute`), so every shard reads 2n + 1
@@ -357,11 +357,11 @@ def _attend_shard_balanced(offset, local, whole, params, *, N, scale,
   q_BtHP, piece_Bt = local
   keys = _expand_keys(whole, params[0], N)
   t = q_BtHP.shape[1]
-  h, n = t // 2, keys[0].shape[1] // t
+  half, n = t // 2, keys[0].shape[1] // t
   i = offset // t
   swap = functools.partial(context_parallel.swap_with_mirror, n=n)
-  q_a, q_b = q_BtHP[:, :h], swap(q_BtHP[:, h:])
-  piece_a, piece_b = piece_Bt[:, :h], swap(piece_Bt[:, h:])
+  q_a, q_b = q_BtHP[:, :half], swap(q_BtHP[:, half:])
+  piece_a, piece_b = piece_Bt[:, :half], swap(piece_Bt[:, half:])
   p_a, p_b = 2 * i, 2 * n - 1 - 2 * i
   attend = functools.partial(_attend_piece, keys=keys, scale=scale,
                              q_block=q_block)
