@@ -1,14 +1,15 @@
 """MultiHeadLatentAttention: DeepSeek-V2/V3 MLA with packed-document masks.
 
-Shape glossary: B batch rows, T tokens (S: key tokens), D model width,
-H heads, N = qk_nope_head_dim, R = qk_rope_head_dim, E = v_head_dim,
-Q = q_lora_rank, C = kv_lora_rank.
+Shape glossary (docs/glossary.md): B batch rows, T tokens (S: key tokens,
+t: a block of T), D model width, H heads, U = qk_nope_head_dim,
+R = qk_rope_head_dim, K = U + R (query/key head dims), V = v_head_dim,
+Q = q_lora_rank, Z = kv_lora_rank; X = U + V (kv_b_proj's output per head).
 
   Q:   [q_nope, q_rope] = RMSNorm(x W_qa) W_qb      (or x W_q when Q = 0)
   KV:  [c_kv, k_rope] = x W_kva; [k_nope, v] = RMSNorm(c_kv) W_kvb
   RoPE (interleaved, per-document positions) on q_rope and on the single
        k_rope shared by all heads; skipped with `use_nope` (Kimi Linear).
-  s = (q_nope . k_nope + q_rope . k_rope) / sqrt(N + R)
+  s = (q_nope . k_nope + q_rope . k_rope) / sqrt(U + R)
   mask = causal & same segment & key not padding
   o = softmax(s) v  [* sigmoid(x W_g) per head, Ling 3.0's gated MLA]
   y = o W_o
@@ -26,16 +27,16 @@ and one late piece of the row, so causal work is the same on every shard
 
 Decoding (`kda_lm.decoding`): `max_len=S` (a prefill) also returns an
 `MLACache`: the normalised latent `c_kv` and the rotated shared RoPE key of
-every position up to `S` (C + R values per token), with the first valid slot
+every position up to `S` (Z + R values per token), with the first valid slot
 and the length of each row (left padding before a row's last document is
 masked). Passing `cache` decodes one token per row in the absorbed form
 (DeepSeek-V2): `W_kvb`'s key part is folded into the query
-(`q_lat = W_uk q_nope`, [B,H,C]) and its value part applied after the
+(`q_lat = W_uk q_nope`, [B,H,Z]) and its value part applied after the
 softmax, so the step attends in latent space and never expands keys or
 values:
 
-  s = (q_lat . c_kv + q_rope . k_rope) / sqrt(N + R)      [B,H,S]
-  o = (softmax(s) c_kv) W_uv                               [B,H,E]
+  s = (q_lat . c_kv + q_rope . k_rope) / sqrt(U + R)      [B,H,S]
+  o = (softmax(s) c_kv) W_uv                               [B,H,V]
 """
 
 import functools
@@ -63,51 +64,51 @@ def _block_mask(t_t, s_S, piece_Bt, piece_BS, valid_BS):
   return mask[:, None]
 
 
-def _masked_scores(q_BtHP, k_BSHP, t_t, s_S, piece_Bt, piece_BS, valid_BS,
+def _masked_scores(q_BtHK, k_BSHK, t_t, s_S, piece_Bt, piece_BS, valid_BS,
                    scale):
   """Scaled float32 scores [B,H,t,S], MASK_VALUE where masked."""
-  s_BHtS = jnp.einsum("bthp,bshp->bhts", q_BtHP, k_BSHP,
+  s_BHtS = jnp.einsum("bthp,bshp->bhts", q_BtHK, k_BSHK,
                       preferred_element_type=jnp.float32) * scale
   mask = _block_mask(t_t, s_S, piece_Bt, piece_BS, valid_BS)
   return jnp.where(mask, s_BHtS, MASK_VALUE)
 
 
-def _attend_block(q_BtHP, k_BSHP, v_BSHE, t_t, piece_Bt, piece_BS, valid_BS,
+def _attend_block(q_BtHK, k_BSHK, v_BSHV, t_t, piece_Bt, piece_BS, valid_BS,
                   *, scale):
   """Softmax attention of queries at positions `t_t` over keys [0, S).
 
   Returns:
-    [B,t,H,E] float32.
+    [B,t,H,V] float32.
   """
-  s_BHtS = _masked_scores(q_BtHP, k_BSHP, t_t, jnp.arange(k_BSHP.shape[1]),
+  s_BHtS = _masked_scores(q_BtHK, k_BSHK, t_t, jnp.arange(k_BSHK.shape[1]),
                           piece_Bt, piece_BS, valid_BS, scale)
-  p_BHtS = jax.nn.softmax(s_BHtS, axis=-1).astype(v_BSHE.dtype)
-  return jnp.einsum("bhts,bshe->bthe", p_BHtS, v_BSHE,
+  p_BHtS = jax.nn.softmax(s_BHtS, axis=-1).astype(v_BSHV.dtype)
+  return jnp.einsum("bhts,bshe->bthe", p_BHtS, v_BSHV,
                     preferred_element_type=jnp.float32)
 
 
-def _attend_block_lse(q_BtHP, k_BSHP, v_BSHE, t_t, s_S, piece_Bt, piece_BS,
+def _attend_block_lse(q_BtHK, k_BSHK, v_BSHV, t_t, s_S, piece_Bt, piece_BS,
                       valid_BS, *, scale):
   """`_attend_block` over keys at positions `s_S`, with the log-sum-exp of
   each query's masked scores (to merge attention over several key sets).
 
   Returns:
-    (o [B,t,H,E] float32, lse [B,t,H] float32).
+    (o [B,t,H,V] float32, lse [B,t,H] float32).
   """
-  s_BHtS = _masked_scores(q_BtHP, k_BSHP, t_t, s_S, piece_Bt, piece_BS,
+  s_BHtS = _masked_scores(q_BtHK, k_BSHK, t_t, s_S, piece_Bt, piece_BS,
                           valid_BS, scale)
   lse_BHt = jax.nn.logsumexp(s_BHtS, axis=-1)
-  p_BHtS = jnp.exp(s_BHtS - lse_BHt[..., None]).astype(v_BSHE.dtype)
-  o_BtHE = jnp.einsum("bhts,bshe->bthe", p_BHtS, v_BSHE,
+  p_BHtS = jnp.exp(s_BHtS - lse_BHt[..., None]).astype(v_BSHV.dtype)
+  o_BtHV = jnp.einsum("bhts,bshe->bthe", p_BHtS, v_BSHV,
                       preferred_element_type=jnp.float32)
-  return o_BtHE, jnp.swapaxes(lse_BHt, 1, 2)
+  return o_BtHV, jnp.swapaxes(lse_BHt, 1, 2)
 
 
 class MLACache(NamedTuple):
   """An MLA layer's decode cache (S = max_len slots).
 
   Attributes:
-    c_kv: [B,S,C] normalised KV latents (`kv_a_norm(c_kv)`), zero beyond
+    c_kv: [B,S,Z] normalised KV latents (`kv_a_norm(c_kv)`), zero beyond
       `lengths`.
     k_rope: [B,S,R] shared RoPE keys, rotated at their positions.
     starts: [B] int32, each row's first valid slot (left padding before).
@@ -120,13 +121,13 @@ class MLACache(NamedTuple):
   lengths: jax.Array
 
 
-def prefill_cache(c_BTC: jax.Array, k_rope_BTR: jax.Array,
+def prefill_cache(c_BTZ: jax.Array, k_rope_BTR: jax.Array,
                   segment_ids: Optional[jax.Array], max_len: int
                   ) -> MLACache:
   """The cache after a prefill: every row continues its last segment.
 
   Args:
-    c_BTC: [B,T,C] normalised latents.
+    c_BTZ: [B,T,Z] normalised latents.
     k_rope_BTR: [B,T,R] rotated RoPE keys.
     segment_ids: [B,T] ids or None (one document per row).
     max_len: S >= T, the slots to allocate.
@@ -137,7 +138,7 @@ def prefill_cache(c_BTC: jax.Array, k_rope_BTR: jax.Array,
   Raises:
     ValueError: T > max_len.
   """
-  B, T, _ = c_BTC.shape
+  B, T, _ = c_BTZ.shape
   if isinstance(max_len, bool) or not isinstance(max_len, int) or (
       max_len < T):
     raise ValueError(f"max_len must be an int >= the prompt length {T}, got "
@@ -148,59 +149,59 @@ def prefill_cache(c_BTC: jax.Array, k_rope_BTR: jax.Array,
   else:
     n_last_B = jnp.where(segment_ids[:, -1] != 0,
                          segments.offsets(segment_ids)[:, -1] + 1, 0)
-  return MLACache(c_kv=jnp.pad(c_BTC, pad), k_rope=jnp.pad(k_rope_BTR, pad),
+  return MLACache(c_kv=jnp.pad(c_BTZ, pad), k_rope=jnp.pad(k_rope_BTR, pad),
                   starts=(T - n_last_B).astype(jnp.int32),
                   lengths=jnp.full((B,), T, jnp.int32))
 
 
-def _output(x, o_BTHE, segment_ids, dense, output_gate):
+def _output(x, o_BTHV, segment_ids, dense, output_gate):
   """Zeroes padding, applies the output gate and `o_proj`: [B,T,D].
 
   A function, not a method, so that the modules it builds inside `__call__`
   carry no method scope in their names.
   """
   B, T, D = x.shape
-  H, E = o_BTHE.shape[2:]
+  H, V = o_BTHV.shape[2:]
   if segment_ids is not None:
-    o_BTHE = jnp.where((segment_ids != 0)[:, :, None, None], o_BTHE, 0.0)
+    o_BTHV = jnp.where((segment_ids != 0)[:, :, None, None], o_BTHV, 0.0)
   if output_gate:
     gate_BTH = jax.nn.sigmoid(dense(H, "g_proj")(x).astype(jnp.float32))
-    o_BTHE = o_BTHE * gate_BTH[..., None]
-  o_BTHE = o_BTHE.astype(x.dtype)
-  return dense(D, "o_proj")(o_BTHE.reshape(B, T, H * E))
+    o_BTHV = o_BTHV * gate_BTH[..., None]
+  o_BTHV = o_BTHV.astype(x.dtype)
+  return dense(D, "o_proj")(o_BTHV.reshape(B, T, H * V))
 
 
-def _decode_attend(q_nope_BHN, q_rope_BHR, c_BC, k_rope_BR, cache, w_CHX,
+def _decode_attend(q_nope_BHU, q_rope_BHR, c_BZ, k_rope_BR, cache, w_ZHX,
                    scale):
   """One token per row against the cache, in the absorbed form.
 
   Returns:
-    (o [B,H,E] float32, the cache with the token written).
+    (o [B,H,V] float32, the cache with the token written).
   """
-  B = c_BC.shape[0]
-  N = q_nope_BHN.shape[-1]
+  B = c_BZ.shape[0]
+  U = q_nope_BHU.shape[-1]
   rows = jnp.arange(B)
-  c_BSC = cache.c_kv.at[rows, cache.lengths].set(c_BC.astype(
+  c_BSZ = cache.c_kv.at[rows, cache.lengths].set(c_BZ.astype(
       cache.c_kv.dtype))
   r_BSR = cache.k_rope.at[rows, cache.lengths].set(k_rope_BR.astype(
       cache.k_rope.dtype))
-  w_CHN, w_CHE = w_CHX[..., :N], w_CHX[..., N:]
+  w_ZHU, w_ZHV = w_ZHX[..., :U], w_ZHX[..., U:]
   f32 = jnp.float32
-  q_lat_BHC = jnp.einsum("bhn,chn->bhc", q_nope_BHN, w_CHN.astype(
-      q_nope_BHN.dtype), preferred_element_type=f32)
-  s_BHS = (jnp.einsum("bhc,bsc->bhs", q_lat_BHC.astype(c_BSC.dtype), c_BSC,
+  q_lat_BHZ = jnp.einsum("bhn,chn->bhc", q_nope_BHU, w_ZHU.astype(
+      q_nope_BHU.dtype), preferred_element_type=f32)
+  s_BHS = (jnp.einsum("bhc,bsc->bhs", q_lat_BHZ.astype(c_BSZ.dtype), c_BSZ,
                       preferred_element_type=f32)
            + jnp.einsum("bhr,bsr->bhs", q_rope_BHR, r_BSR,
                         preferred_element_type=f32)) * scale
-  slot_S = jnp.arange(c_BSC.shape[1])
+  slot_S = jnp.arange(c_BSZ.shape[1])
   valid_BS = ((slot_S >= cache.starts[:, None])
               & (slot_S <= cache.lengths[:, None]))
   s_BHS = jnp.where(valid_BS[:, None], s_BHS, MASK_VALUE)
   p_BHS = jax.nn.softmax(s_BHS, axis=-1)
-  o_lat_BHC = jnp.einsum("bhs,bsc->bhc", p_BHS.astype(c_BSC.dtype), c_BSC,
+  o_lat_BHZ = jnp.einsum("bhs,bsc->bhc", p_BHS.astype(c_BSZ.dtype), c_BSZ,
                          preferred_element_type=f32)
-  o_BHE = jnp.einsum("bhc,che->bhe", o_lat_BHC, w_CHE.astype(f32))
-  return o_BHE, cache._replace(c_kv=c_BSC, k_rope=r_BSR,
+  o_BHV = jnp.einsum("bhc,che->bhe", o_lat_BHZ, w_ZHV.astype(f32))
+  return o_BHV, cache._replace(c_kv=c_BSZ, k_rope=r_BSR,
                                lengths=cache.lengths + 1)
 
 
@@ -208,71 +209,71 @@ def _slice(x, start, stop):
   return None if x is None else x[:, start:stop]
 
 
-def _attend(q_BTHP, k_BTHP, v_BTHE, piece_BT, valid_BT, *, scale, q_block):
-  """Masked softmax attention of all queries: [B,T,H,E] float32.
+def _attend(q_BTHK, k_BTHK, v_BTHV, piece_BT, valid_BT, *, scale, q_block):
+  """Masked softmax attention of all queries: [B,T,H,V] float32.
 
   Rows longer than `q_block` attend in causal query blocks: block [a, b)
   only reads keys [0, b), and its scores are recomputed in the backward pass
   instead of stored.
   """
-  T = q_BTHP.shape[1]
+  T = q_BTHK.shape[1]
   t_T = jnp.arange(T)
   if T <= q_block:
-    return _attend_block(q_BTHP, k_BTHP, v_BTHE, t_T, piece_BT, piece_BT,
+    return _attend_block(q_BTHK, k_BTHK, v_BTHV, t_T, piece_BT, piece_BT,
                          valid_BT, scale=scale)
   outs = []
   for start in range(0, T, q_block):
     stop = min(start + q_block, T)
     attend = jax.checkpoint(functools.partial(_attend_block, scale=scale))
-    outs.append(attend(q_BTHP[:, start:stop], k_BTHP[:, :stop],
-                       v_BTHE[:, :stop], t_T[start:stop],
+    outs.append(attend(q_BTHK[:, start:stop], k_BTHK[:, :stop],
+                       v_BTHV[:, :stop], t_T[start:stop],
                        _slice(piece_BT, start, stop),
                        _slice(piece_BT, 0, stop), _slice(valid_BT, 0, stop)))
   return jnp.concatenate(outs, axis=1)
 
 
-def _expand_keys(whole, w_CHX, N):
+def _expand_keys(whole, w_ZHX, U):
   """Whole-row keys and values from the gathered latent and RoPE key.
 
   Args:
     whole: [c_kv [B,S,Z], k_rope [B,S,R], piece ids [B,S], valid [B,S]].
-    w_CHX: kv_b_proj's weight [Z,H,U+V].
-    N: the unrotated (no-RoPE) dims of a head.
+    w_ZHX: kv_b_proj's weight [Z,H,U+V].
+    U: the unrotated (no-RoPE) dims of a head.
 
   Returns:
-    [k [B,S,H,P], v [B,S,H,E], piece ids [B,S], valid [B,S]].
+    [k [B,S,H,K], v [B,S,H,V], piece ids [B,S], valid [B,S]].
   """
-  c_BSC, k_rope_BSR, piece_BS, valid_BS = whole
-  B, S = c_BSC.shape[:2]
-  H = w_CHX.shape[1]
-  kv_BSHX = jnp.einsum("bsc,chx->bshx", c_BSC, w_CHX.astype(c_BSC.dtype),
-                       preferred_element_type=c_BSC.dtype)
-  k_BSHP = jnp.concatenate([kv_BSHX[..., :N], jnp.broadcast_to(
+  c_BSZ, k_rope_BSR, piece_BS, valid_BS = whole
+  B, S = c_BSZ.shape[:2]
+  H = w_ZHX.shape[1]
+  kv_BSHX = jnp.einsum("bsc,chx->bshx", c_BSZ, w_ZHX.astype(c_BSZ.dtype),
+                       preferred_element_type=c_BSZ.dtype)
+  k_BSHK = jnp.concatenate([kv_BSHX[..., :U], jnp.broadcast_to(
       k_rope_BSR[:, :, None], (B, S, H, k_rope_BSR.shape[-1]))], axis=-1)
-  return [k_BSHP, kv_BSHX[..., N:], piece_BS, valid_BS]
+  return [k_BSHK, kv_BSHX[..., U:], piece_BS, valid_BS]
 
 
-def _attend_shard_contiguous(offset, local, whole, params, *, N, scale,
+def _attend_shard_contiguous(offset, local, whole, params, *, U, scale,
                              q_block):
   """One context-parallel shard of MLA, its own queries against the whole
   row (the unbalanced layout, for an odd number of tokens per shard).
 
   Args:
     offset: int32 global position of the shard's first query.
-    local: [q [B,t,H,P], piece ids [B,t]] of the shard's queries.
+    local: [q [B,t,H,K], piece ids [B,t]] of the shard's queries.
     whole: [c_kv [B,S,Z], k_rope [B,S,R], piece ids [B,S], valid [B,S]] of
       the whole row (all-gathered).
     params: [kv_b_proj weight [Z,H,U+V]].
-    N: the unrotated (no-RoPE) dims of a head.
+    U: the unrotated (no-RoPE) dims of a head.
     scale: score scale.
     q_block: queries per rematerialised block.
 
   Returns:
-    [B,t,H,E] float32.
+    [B,t,H,V] float32.
   """
-  q_BtHP, piece_Bt = local
-  k_BSHP, v_BSHE, piece_BS, valid_BS = _expand_keys(whole, params[0], N)
-  S, t = k_BSHP.shape[1], q_BtHP.shape[1]
+  q_BtHK, piece_Bt = local
+  k_BSHK, v_BSHV, piece_BS, valid_BS = _expand_keys(whole, params[0], U)
+  S, t = k_BSHK.shape[1], q_BtHK.shape[1]
   t_t = offset + jnp.arange(t)
   attend = jax.checkpoint(functools.partial(_attend_block, scale=scale))
   outs = []
@@ -281,22 +282,22 @@ def _attend_shard_contiguous(offset, local, whole, params, *, N, scale,
     # Keys the last shard's block reads ([0, S - t + stop)); earlier shards
     # read fewer, so this static bound covers every shard.
     keys = S - t + stop
-    outs.append(attend(q_BtHP[:, start:stop], k_BSHP[:, :keys],
-                       v_BSHE[:, :keys], t_t[start:stop],
+    outs.append(attend(q_BtHK[:, start:stop], k_BSHK[:, :keys],
+                       v_BSHV[:, :keys], t_t[start:stop],
                        piece_Bt[:, start:stop], piece_BS[:, :keys],
                        valid_BS[:, :keys]))
   return jnp.concatenate(outs, axis=1)
 
 
-def _attend_piece(q_BtHP, piece_Bt, p, kp, keys, *, diagonal, scale,
+def _attend_piece(q_BtHK, piece_Bt, p, kp, keys, *, diagonal, scale,
                   q_block):
   """Queries of piece `p` against the keys of piece `kp` (pieces of t
   tokens: piece p holds global positions [p t, (p + 1) t)).
 
   Args:
-    q_BtHP: [B,t,H,P] queries; piece_Bt: [B,t] their piece ids.
+    q_BtHK: [B,t,H,K] queries; piece_Bt: [B,t] their piece ids.
     p, kp: int32 (traced) piece indices, kp <= p.
-    keys: [k [B,S,H,P], v [B,S,H,E], piece ids [B,S], valid [B,S]] of the
+    keys: [k [B,S,H,K], v [B,S,H,V], piece ids [B,S], valid [B,S]] of the
       whole row.
     diagonal: kp == p; query block [a, b) of the piece then reads the
       piece's keys [0, b) only (the causal block skip).
@@ -304,10 +305,10 @@ def _attend_piece(q_BtHP, piece_Bt, p, kp, keys, *, diagonal, scale,
     q_block: queries per rematerialised block.
 
   Returns:
-    (o [B,t,H,E], lse [B,t,H]) float32, as `_attend_block_lse`.
+    (o [B,t,H,V], lse [B,t,H]) float32, as `_attend_block_lse`.
   """
-  t = q_BtHP.shape[1]
-  k_BtHP, v_BtHE, pk_Bt, valid_Bt = [
+  t = q_BtHK.shape[1]
+  k_BtHK, v_BtHV, pk_Bt, valid_Bt = [
       jax.lax.dynamic_slice_in_dim(a, kp * t, t, axis=1) for a in keys]
   t_t, s_t = p * t + jnp.arange(t), kp * t + jnp.arange(t)
   attend = jax.checkpoint(functools.partial(_attend_block_lse, scale=scale))
@@ -315,8 +316,8 @@ def _attend_piece(q_BtHP, piece_Bt, p, kp, keys, *, diagonal, scale,
   for start in range(0, t, q_block):
     stop = min(start + q_block, t)
     width = stop if diagonal else t
-    outs.append(attend(q_BtHP[:, start:stop], k_BtHP[:, :width],
-                       v_BtHE[:, :width], t_t[start:stop], s_t[:width],
+    outs.append(attend(q_BtHK[:, start:stop], k_BtHK[:, :width],
+                       v_BtHV[:, :width], t_t[start:stop], s_t[:width],
                        piece_Bt[:, start:stop], pk_Bt[:, :width],
                        valid_Bt[:, :width]))
   return tuple(jnp.concatenate(parts, axis=1)
@@ -324,14 +325,14 @@ def _attend_piece(q_BtHP, piece_Bt, p, kp, keys, *, diagonal, scale,
 
 
 def _merge_pieces(results, members):
-  """Softmax attention over the union of several key sets: [B,t,H,E].
+  """Softmax attention over the union of several key sets: [B,t,H,V].
 
   Args:
-    results: (o [B,t,H,E], lse [B,t,H]) per key set.
+    results: (o [B,t,H,V], lse [B,t,H]) per key set.
     members: bool (traced) per key set: whether it belongs to this query
       piece; the others get weight 0 (exactly, for a query with any key).
   """
-  o_stack = jnp.stack([o for o, _ in results])            # [key sets,B,t,H,E]
+  o_stack = jnp.stack([o for o, _ in results])      # [key sets,B,t,H,V]
   lse_stack = jnp.stack([
       jnp.where(keep, lse, MASK_VALUE)
       for (_, lse), keep in zip(results, members, strict=True)])
@@ -339,7 +340,7 @@ def _merge_pieces(results, members):
   return jnp.einsum("mbth,mbthe->bthe", w_stack, o_stack)
 
 
-def _attend_shard_balanced(offset, local, whole, params, *, N, scale,
+def _attend_shard_balanced(offset, local, whole, params, *, U, scale,
                            q_block):
   """One context-parallel shard of MLA with balanced causal work.
 
@@ -354,13 +355,13 @@ def _attend_shard_balanced(offset, local, whole, params, *, N, scale,
 
   Args and Returns: as `_attend_shard_contiguous` (t even).
   """
-  q_BtHP, piece_Bt = local
-  keys = _expand_keys(whole, params[0], N)
-  t = q_BtHP.shape[1]
+  q_BtHK, piece_Bt = local
+  keys = _expand_keys(whole, params[0], U)
+  t = q_BtHK.shape[1]
   half, n = t // 2, keys[0].shape[1] // t
   i = offset // t
   swap = functools.partial(context_parallel.swap_with_mirror, n=n)
-  q_a, q_b = q_BtHP[:, :half], swap(q_BtHP[:, half:])
+  q_a, q_b = q_BtHK[:, :half], swap(q_BtHK[:, half:])
   piece_a, piece_b = piece_Bt[:, :half], swap(piece_Bt[:, half:])
   p_a, p_b = 2 * i, 2 * n - 1 - 2 * i
   attend = functools.partial(_attend_piece, keys=keys, scale=scale,
@@ -381,34 +382,34 @@ def _attend_shard_balanced(offset, local, whole, params, *, N, scale,
   return jnp.concatenate([o_a, swap(o_b)], axis=1)
 
 
-def _attend_context_parallel(q_BTHP, c_kv_BTC, k_rope_BTR, segment_ids,
-                             w_CHX, *, N, scale, q_block):
+def _attend_context_parallel(q_BTHK, c_kv_BTZ, k_rope_BTR, segment_ids,
+                             w_ZHX, *, U, scale, q_block):
   """The attention core with T split over the `context` mesh axis: local
   queries, the latent, RoPE key and piece ids gathered over all shards.
   Balanced (`_attend_shard_balanced`) when each shard holds an even number
   of tokens."""
-  B, T = q_BTHP.shape[:2]
+  B, T = q_BTHK.shape[:2]
   ids_BT = (jnp.ones((B, T), jnp.int32) if segment_ids is None
             else segment_ids)
   piece_BT = segments.piece_ids(ids_BT)
   balanced = (T // context_parallel.context_size()) % 2 == 0
   shard = _attend_shard_balanced if balanced else _attend_shard_contiguous
   return context_parallel.gather_map(
-      functools.partial(shard, N=N, scale=scale, q_block=q_block),
-      [q_BTHP, piece_BT], [c_kv_BTC, k_rope_BTR, piece_BT, ids_BT != 0],
-      [w_CHX])
+      functools.partial(shard, U=U, scale=scale, q_block=q_block),
+      [q_BTHK, piece_BT], [c_kv_BTZ, k_rope_BTR, piece_BT, ids_BT != 0],
+      [w_ZHX])
 
 
-def _kv_b_weight(C, H, X, param_dtype):
-  """`kv_b_proj`'s weight as [C,H,X] (X = N + E), for the absorbed decode.
+def _kv_b_weight(Z, H, X, param_dtype):
+  """`kv_b_proj`'s weight as [Z,H,X] (X = U + V), for the absorbed decode.
 
   The same parameter `linear.Dense(H * X, name="kv_b_proj")` creates in the
   full forward (called from `__call__`, so it lands in the same scope).
   """
   with hk.name_scope("kv_b_proj"):
-    w_CHX = hk.get_parameter("w", [C, H * X], param_dtype,
-                             init=hk.initializers.TruncatedNormal(C ** -0.5))
-  return w_CHX.reshape(C, H, X)
+    w_ZHX = hk.get_parameter("w", [Z, H * X], param_dtype,
+                             init=hk.initializers.TruncatedNormal(Z ** -0.5))
+  return w_ZHX.reshape(Z, H, X)
 
 
 class MultiHeadLatentAttention(hk.Module):
@@ -425,14 +426,14 @@ class MultiHeadLatentAttention(hk.Module):
     Args:
       num_heads: H.
       q_lora_rank: Q, rank of the query compression; 0 = a direct `W_q`.
-      kv_lora_rank: C, rank of the compressed KV latent.
-      qk_nope_head_dim: N, per-head query/key dims without RoPE.
+      kv_lora_rank: Z, rank of the compressed KV latent.
+      qk_nope_head_dim: U, per-head query/key dims without RoPE.
       qk_rope_head_dim: R, per-head query dims (and shared key dims) that
         carry RoPE; even unless `use_nope`.
-      v_head_dim: E, per-head value dims.
+      v_head_dim: V, per-head value dims.
       rope_theta: RoPE base.
       use_nope: no positional rotation (Kimi Linear's NoPE MLA); the R dims
-        still exist and the scale still uses N + R.
+        still exist and the scale still uses U + R.
       output_gate: multiply each head's output by `sigmoid(x W_g)_h`.
       norm_eps: epsilon of the q and kv latent RMSNorms.
       q_block: rows longer than this attend in causal query blocks of this
@@ -499,19 +500,19 @@ class MultiHeadLatentAttention(hk.Module):
         size, param_dtype=self.param_dtype, name=name)
     rms = lambda name: norm.RMSNorm(self.norm_eps, self.param_dtype,
                                     name=name)
-    H, N, R = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
-    E, C = self.v_head_dim, self.kv_lora_rank
+    H, U, R = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
+    V, Z = self.v_head_dim, self.kv_lora_rank
 
     if self.q_lora_rank:
       c_q = rms("q_a_norm")(dense(self.q_lora_rank, "q_a_proj")(x))
-      q_BTHP = dense(H * (N + R), "q_b_proj")(c_q)
+      q_BTHK = dense(H * (U + R), "q_b_proj")(c_q)
     else:
-      q_BTHP = dense(H * (N + R), "q_proj")(x)
-    q_BTHP = q_BTHP.reshape(B, T, H, N + R)
-    kv_a = dense(C + R, "kv_a_proj")(x)
-    c_kv_BTC = rms("kv_a_norm")(kv_a[..., :C])
-    k_rope_BTR = kv_a[..., C:]
-    q_nope_BTHN, q_rope_BTHR = q_BTHP[..., :N], q_BTHP[..., N:]
+      q_BTHK = dense(H * (U + R), "q_proj")(x)
+    q_BTHK = q_BTHK.reshape(B, T, H, U + R)
+    kv_a = dense(Z + R, "kv_a_proj")(x)
+    c_kv_BTZ = rms("kv_a_norm")(kv_a[..., :Z])
+    k_rope_BTR = kv_a[..., Z:]
+    q_nope_BTHU, q_rope_BTHR = q_BTHK[..., :U], q_BTHK[..., U:]
     k_rope_BT1R = k_rope_BTR[:, :, None, :]
     if cache is not None:
       if T != 1 or segment_ids is not None or positions is not None:
@@ -525,41 +526,41 @@ class MultiHeadLatentAttention(hk.Module):
                      segments.positions_from_segment_ids(segment_ids))
       q_rope_BTHR = rope.apply_rope(q_rope_BTHR, positions, self.rope_theta)
       k_rope_BT1R = rope.apply_rope(k_rope_BT1R, positions, self.rope_theta)
-    scale = (N + R) ** -0.5
+    scale = (U + R) ** -0.5
     if cache is not None:
-      o_BHE, new_cache = _decode_attend(
-          q_nope_BTHN[:, 0], q_rope_BTHR[:, 0], c_kv_BTC[:, 0],
+      o_BHV, new_cache = _decode_attend(
+          q_nope_BTHU[:, 0], q_rope_BTHR[:, 0], c_kv_BTZ[:, 0],
           k_rope_BT1R[:, 0, 0], cache,
-          _kv_b_weight(C, H, N + E, self.param_dtype), scale)
-      return (_output(x, o_BHE[:, None], None, dense, self.output_gate),
+          _kv_b_weight(Z, H, U + V, self.param_dtype), scale)
+      return (_output(x, o_BHV[:, None], None, dense, self.output_gate),
               new_cache)
     if context_parallel.context_size() > 1:
       if max_len is not None:
         raise ValueError("An MLA prefill (max_len) is not supported under "
                          "context parallelism.")
-      o_BTHE = _attend_context_parallel(
-          jnp.concatenate([q_nope_BTHN, q_rope_BTHR], axis=-1), c_kv_BTC,
+      o_BTHV = _attend_context_parallel(
+          jnp.concatenate([q_nope_BTHU, q_rope_BTHR], axis=-1), c_kv_BTZ,
           k_rope_BT1R[:, :, 0], segment_ids,
-          _kv_b_weight(C, H, N + E, self.param_dtype), N=N, scale=scale,
+          _kv_b_weight(Z, H, U + V, self.param_dtype), U=U, scale=scale,
           q_block=self.q_block)
-      return _output(x, o_BTHE, segment_ids, dense, self.output_gate)
-    kv_BTHX = dense(H * (N + E), "kv_b_proj")(c_kv_BTC).reshape(
-        B, T, H, N + E)
-    k_nope_BTHN, v_BTHE = kv_BTHX[..., :N], kv_BTHX[..., N:]
-    q_BTHP = jnp.concatenate([q_nope_BTHN, q_rope_BTHR], axis=-1)
-    k_BTHP = jnp.concatenate(
-        [k_nope_BTHN, jnp.broadcast_to(k_rope_BT1R, (B, T, H, R))], axis=-1)
+      return _output(x, o_BTHV, segment_ids, dense, self.output_gate)
+    kv_BTHX = dense(H * (U + V), "kv_b_proj")(c_kv_BTZ).reshape(
+        B, T, H, U + V)
+    k_nope_BTHU, v_BTHV = kv_BTHX[..., :U], kv_BTHX[..., U:]
+    q_BTHK = jnp.concatenate([q_nope_BTHU, q_rope_BTHR], axis=-1)
+    k_BTHK = jnp.concatenate(
+        [k_nope_BTHU, jnp.broadcast_to(k_rope_BT1R, (B, T, H, R))], axis=-1)
 
     if segment_ids is None:
       piece_BT = valid_BT = None
     else:
       piece_BT, valid_BT = segments.piece_ids(segment_ids), segment_ids != 0
-    o_BTHE = _attend(q_BTHP, k_BTHP, v_BTHE, piece_BT, valid_BT,
+    o_BTHV = _attend(q_BTHK, k_BTHK, v_BTHV, piece_BT, valid_BT,
                      scale=scale, q_block=self.q_block)
-    y = _output(x, o_BTHE, segment_ids, dense, self.output_gate)
+    y = _output(x, o_BTHV, segment_ids, dense, self.output_gate)
     if max_len is None:
       return y
-    return y, prefill_cache(c_kv_BTC, k_rope_BT1R[:, :, 0], segment_ids,
+    return y, prefill_cache(c_kv_BTZ, k_rope_BT1R[:, :, 0], segment_ids,
                             max_len)
 
 
@@ -592,10 +593,10 @@ def param_count(d_model: int, num_heads: int, *, q_lora_rank: int,
                 qk_rope_head_dim: int, v_head_dim: int,
                 output_gate: bool) -> int:
   """Parameters of one MLA layer, by shape arithmetic (for tests)."""
-  D, H, N, R = d_model, num_heads, qk_nope_head_dim, qk_rope_head_dim
-  E, Q, C = v_head_dim, q_lora_rank, kv_lora_rank
-  n = (D * Q + Q + Q * H * (N + R)) if Q else D * H * (N + R)
-  n += D * (C + R) + C + C * H * (N + E) + H * E * D
+  D, H, U, R = d_model, num_heads, qk_nope_head_dim, qk_rope_head_dim
+  V, Q, Z = v_head_dim, q_lora_rank, kv_lora_rank
+  n = (D * Q + Q + Q * H * (U + R)) if Q else D * H * (U + R)
+  n += D * (Z + R) + Z + Z * H * (U + V) + H * V * D
   if output_gate:
     n += D * H
   return int(n)
