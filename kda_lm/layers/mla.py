@@ -412,6 +412,57 @@ def _kv_b_weight(Z, H, X, param_dtype):
   return w_ZHX.reshape(Z, H, X)
 
 
+def _check_shapes(x, segment_ids, positions, cache):
+  """Returns (B, T, D) of `x`.
+
+  Raises:
+    ValueError: `x` is not [B,T,D], an id/position array is not [B,T], or a
+      decode step (`cache`) gets T != 1, segment ids or positions.
+  """
+  if x.ndim != 3:
+    raise ValueError(f"x must be [B,T,D], got shape {x.shape}.")
+  B, T, D = x.shape
+  for key, arr in (("segment_ids", segment_ids), ("positions", positions)):
+    if arr is not None and arr.shape != (B, T):
+      raise ValueError(f"{key} must be [B,T] = {(B, T)}, got {arr.shape}.")
+  if cache is not None and (T != 1 or segment_ids is not None
+                            or positions is not None):
+    raise ValueError(f"An MLA decode step (cache) takes one token per row "
+                     f"and no segment_ids or positions; got T={T}.")
+  return B, T, D
+
+
+def _rope_positions(B, T, segment_ids, positions, cache):
+  """RoPE positions [B,T]: the given ones, the next slot's when decoding,
+  else per document (restarting at 0) or 0..T-1."""
+  if cache is not None:
+    return (cache.lengths - cache.starts)[:, None]
+  if positions is not None:
+    return positions
+  if segment_ids is None:
+    return jnp.broadcast_to(jnp.arange(T), (B, T))
+  return segments.positions_from_segment_ids(segment_ids)
+
+
+def _attend_one_device(q_BTHK, c_kv_BTZ, k_rope_BTR, segment_ids, dense, *,
+                       U, V, scale, q_block):
+  """The attention core on one device: keys and values expanded from the
+  latent by `kv_b_proj` (built here, in the caller's module scope), the
+  shared RoPE key broadcast to every head. Returns [B,T,H,V] float32."""
+  B, T, H, _ = q_BTHK.shape
+  R = k_rope_BTR.shape[-1]
+  kv_BTHX = dense(H * (U + V), "kv_b_proj")(c_kv_BTZ).reshape(
+      B, T, H, U + V)
+  k_BTHK = jnp.concatenate([kv_BTHX[..., :U], jnp.broadcast_to(
+      k_rope_BTR[:, :, None], (B, T, H, R))], axis=-1)
+  if segment_ids is None:
+    piece_BT = valid_BT = None
+  else:
+    piece_BT, valid_BT = segments.piece_ids(segment_ids), segment_ids != 0
+  return _attend(q_BTHK, k_BTHK, kv_BTHX[..., U:], piece_BT, valid_BT,
+                 scale=scale, q_block=q_block)
+
+
 class MultiHeadLatentAttention(hk.Module):
   """MLA with an optional low-rank query and an optional output gate."""
 
@@ -489,12 +540,7 @@ class MultiHeadLatentAttention(hk.Module):
       ValueError: `x` is not [B,T,D], an id/position array is not [B,T],
         or a decode step gets T != 1, segment ids or positions.
     """
-    if x.ndim != 3:
-      raise ValueError(f"x must be [B,T,D], got shape {x.shape}.")
-    B, T, D = x.shape
-    for key, arr in (("segment_ids", segment_ids), ("positions", positions)):
-      if arr is not None and arr.shape != (B, T):
-        raise ValueError(f"{key} must be [B,T] = {(B, T)}, got {arr.shape}.")
+    B, T, _ = _check_shapes(x, segment_ids, positions, cache)
     # Modules are built inside __call__ so their names carry no method scope.
     dense = lambda size, name: linear.Dense(
         size, param_dtype=self.param_dtype, name=name)
@@ -514,16 +560,8 @@ class MultiHeadLatentAttention(hk.Module):
     k_rope_BTR = kv_a[..., Z:]
     q_nope_BTHU, q_rope_BTHR = q_BTHK[..., :U], q_BTHK[..., U:]
     k_rope_BT1R = k_rope_BTR[:, :, None, :]
-    if cache is not None:
-      if T != 1 or segment_ids is not None or positions is not None:
-        raise ValueError(f"An MLA decode step (cache) takes one token per "
-                         f"row and no segment_ids or positions; got T={T}.")
-      positions = (cache.lengths - cache.starts)[:, None]
     if R and not self.use_nope:
-      if positions is None:
-        positions = (jnp.broadcast_to(jnp.arange(T), (B, T))
-                     if segment_ids is None else
-                     segments.positions_from_segment_ids(segment_ids))
+      positions = _rope_positions(B, T, segment_ids, positions, cache)
       q_rope_BTHR = rope.apply_rope(q_rope_BTHR, positions, self.rope_theta)
       k_rope_BT1R = rope.apply_rope(k_rope_BT1R, positions, self.rope_theta)
     scale = (U + R) ** -0.5
@@ -534,29 +572,19 @@ class MultiHeadLatentAttention(hk.Module):
           _kv_b_weight(Z, H, U + V, self.param_dtype), scale)
       return (_output(x, o_BHV[:, None], None, dense, self.output_gate),
               new_cache)
+    q_BTHK = jnp.concatenate([q_nope_BTHU, q_rope_BTHR], axis=-1)
     if context_parallel.context_size() > 1:
       if max_len is not None:
         raise ValueError("An MLA prefill (max_len) is not supported under "
                          "context parallelism.")
       o_BTHV = _attend_context_parallel(
-          jnp.concatenate([q_nope_BTHU, q_rope_BTHR], axis=-1), c_kv_BTZ,
-          k_rope_BT1R[:, :, 0], segment_ids,
+          q_BTHK, c_kv_BTZ, k_rope_BT1R[:, :, 0], segment_ids,
           _kv_b_weight(Z, H, U + V, self.param_dtype), U=U, scale=scale,
           q_block=self.q_block)
       return _output(x, o_BTHV, segment_ids, dense, self.output_gate)
-    kv_BTHX = dense(H * (U + V), "kv_b_proj")(c_kv_BTZ).reshape(
-        B, T, H, U + V)
-    k_nope_BTHU, v_BTHV = kv_BTHX[..., :U], kv_BTHX[..., U:]
-    q_BTHK = jnp.concatenate([q_nope_BTHU, q_rope_BTHR], axis=-1)
-    k_BTHK = jnp.concatenate(
-        [k_nope_BTHU, jnp.broadcast_to(k_rope_BT1R, (B, T, H, R))], axis=-1)
-
-    if segment_ids is None:
-      piece_BT = valid_BT = None
-    else:
-      piece_BT, valid_BT = segments.piece_ids(segment_ids), segment_ids != 0
-    o_BTHV = _attend(q_BTHK, k_BTHK, v_BTHV, piece_BT, valid_BT,
-                     scale=scale, q_block=self.q_block)
+    o_BTHV = _attend_one_device(q_BTHK, c_kv_BTZ, k_rope_BT1R[:, :, 0],
+                                segment_ids, dense, U=U, V=V, scale=scale,
+                                q_block=self.q_block)
     y = _output(x, o_BTHV, segment_ids, dense, self.output_gate)
     if max_len is None:
       return y
