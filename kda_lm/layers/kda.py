@@ -186,16 +186,8 @@ class KimiDeltaAttention(hk.Module):
     q_BTHK = proj_conv(H * K, "q").reshape(B, T, H, K)
     k_BTHK = proj_conv(H * K, "k").reshape(B, T, H, K)
     v_BTHV = proj_conv(H * V, "v").reshape(B, T, H, V)
-    if self.gate == "ling":
-      g_BTHK = dense(H * K, "f_proj")(x)
-      out_gate = dense(H * V, "g_proj")(x)
-      lower_bound, safe_gate = LING_LOWER_BOUND, True
-    else:
-      g_BTHK = dense(H * K, "f_b_proj")(dense(V, "f_a_proj")(x))
-      out_gate = dense(H * V, "g_b_proj", with_bias=True)(
-          dense(V, "g_a_proj")(x))
-      lower_bound, safe_gate = None, False
-    g_BTHK = g_BTHK.reshape(B, T, H, K)
+    g_BTHK, out_gate, lower_bound, safe_gate = _gate_projections(
+        x, dense, self.gate, H, K, V)
     beta_BTH = jax.nn.sigmoid(dense(H, "b_proj")(x))
     A_log_H = hk.get_parameter("A_log", [H], jnp.float32,
                                init=a_log_init(self.gate))
@@ -220,6 +212,36 @@ class KimiDeltaAttention(hk.Module):
     if not with_cache:
       return y
     return y, KDACache(state=state, **windows)
+
+
+def _gate_projections(x, dense, gate, H, K, V):
+  """The decay gate and output gate projections of one gate form.
+
+  A function, not a method, so that the modules `dense` builds carry no
+  method scope in their names.
+
+  Args:
+    x: [B,T,D] inputs.
+    dense: `dense(size, name, with_bias=False)` building a `linear.Dense`.
+    gate: "ling" (full-rank gates, bounded decay) or "kimi" (low-rank gates
+      through width V, the softplus decay).
+    H, K, V: heads, key and value dims.
+
+  Returns:
+    (raw decay gate g [B,T,H,K], output gate [B,T,H*V], the op's
+    `lower_bound`, the op's `safe_gate`).
+  """
+  B, T, _ = x.shape
+  if gate == "ling":
+    g = dense(H * K, "f_proj")(x)
+    out_gate = dense(H * V, "g_proj")(x)
+    lower_bound, safe_gate = LING_LOWER_BOUND, True
+  else:
+    g = dense(H * K, "f_b_proj")(dense(V, "f_a_proj")(x))
+    out_gate = dense(H * V, "g_b_proj", with_bias=True)(
+        dense(V, "g_a_proj")(x))
+    lower_bound, safe_gate = None, False
+  return g.reshape(B, T, H, K), out_gate, lower_bound, safe_gate
 
 
 def _check_inputs(x: jax.Array, segment_ids: Optional[jax.Array],
