@@ -7,9 +7,9 @@ import pytest
 
 from kda_lm.layers import conv
 
-# w[W-1] multiplies the current token, w[0] the token W-1 steps back, so a
+# w[J-1] multiplies the current token, w[0] the token J-1 steps back, so a
 # digit of the output names the tap: y[t] = x[t] + 10 x[t-1] + 100 x[t-2] ...
-W_DIGITS = np.array([[1000.0], [100.0], [10.0], [1.0]], np.float32)  # [W,D]
+W_DIGITS = np.array([[1000.0], [100.0], [10.0], [1.0]], np.float32)  # [J,D]
 X_1T1 = np.arange(1, 8, dtype=np.float32)[None, :, None]             # 1..7
 
 
