@@ -13,9 +13,26 @@ Inputs use FLA's test distributions; shapes follow `kda_lm.ops.chunk_kda`
 """
 
 import collections
+import contextlib
 from typing import Any, Iterable, Sequence
 
+import jax
 import numpy as np
+
+
+@contextlib.contextmanager
+def most_optimizations_disabled(disabled: bool = True):
+  """Sets `jax_disable_most_optimizations` inside, restoring it after.
+
+  The flag is read when compiling and is not part of jit's cache key: a
+  function compiled before keeps its executable.
+  """
+  previous = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", disabled)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", previous)
 
 
 def rel_err(a: Any, b: Any) -> float:

@@ -5,8 +5,9 @@ are in place before any test initialises a JAX backend.
 """
 
 import kda_lm  # noqa: F401  (side effect: XLA flags)  # isort: skip
-import jax
 import pytest
+
+from kda_lm import testing
 
 
 @pytest.fixture(scope="module")
@@ -17,9 +18,10 @@ def fast_compile():
 
   The flag is read when compiling and is not part of jit's cache key, so a
   function compiled here and called again by a later module in the same
-  process keeps its unoptimised executable: a speed effect only.
+  process keeps its unoptimised executable: a speed effect only, except
+  that two programs compiled with and without optimizations may round
+  differently (tests of bit-identity between programs compile both fresh,
+  e.g. `kda_op_test.py`).
   """
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", previous)
+  with testing.most_optimizations_disabled():
+    yield

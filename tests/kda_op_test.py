@@ -17,7 +17,6 @@ forward+gradient function per (impl, static config), cached in
 `_grad_fn`; checks that need several calls reuse one compiled shape.
 """
 
-import contextlib
 import functools
 import os
 
@@ -431,16 +430,10 @@ def test_matches_reference(name, impl):
   _check_matches_reference(name, impl)
 
 
-@contextlib.contextmanager
-def _fully_optimised():
-  """Compiles with every XLA optimization inside (this module skips most);
-  use with `fresh=True`, since jit's cache ignores the setting."""
-  previous = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", False)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_disable_most_optimizations", previous)
+# Every XLA optimization inside (this module skips most); use with
+# `fresh=True`, since jit's cache ignores the setting.
+_fully_optimised = functools.partial(testing.most_optimizations_disabled,
+                                     False)
 
 
 @pytest.mark.parametrize("name", ["t200_softplus_h0_segs", "t200_safe"])

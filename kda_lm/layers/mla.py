@@ -232,6 +232,15 @@ def _attend(q_BTHK, k_BTHK, v_BTHV, piece_BT, valid_BT, *, scale, q_block):
   return jnp.concatenate(outs, axis=1)
 
 
+def _split_keys(kv_BSHX, k_rope_BSR, U):
+  """Keys [B,S,H,K] (the no-RoPE part of `kv_b_proj`'s output and the shared
+  RoPE key, broadcast to every head) and values [B,S,H,V]."""
+  B, S, H, _ = kv_BSHX.shape
+  k_BSHK = jnp.concatenate([kv_BSHX[..., :U], jnp.broadcast_to(
+      k_rope_BSR[:, :, None], (B, S, H, k_rope_BSR.shape[-1]))], axis=-1)
+  return k_BSHK, kv_BSHX[..., U:]
+
+
 def _expand_keys(whole, w_ZHX, U):
   """Whole-row keys and values from the gathered latent and RoPE key.
 
@@ -244,13 +253,9 @@ def _expand_keys(whole, w_ZHX, U):
     [k [B,S,H,K], v [B,S,H,V], piece ids [B,S], valid [B,S]].
   """
   c_BSZ, k_rope_BSR, piece_BS, valid_BS = whole
-  B, S = c_BSZ.shape[:2]
-  H = w_ZHX.shape[1]
   kv_BSHX = jnp.einsum("bsc,chx->bshx", c_BSZ, w_ZHX.astype(c_BSZ.dtype),
                        preferred_element_type=c_BSZ.dtype)
-  k_BSHK = jnp.concatenate([kv_BSHX[..., :U], jnp.broadcast_to(
-      k_rope_BSR[:, :, None], (B, S, H, k_rope_BSR.shape[-1]))], axis=-1)
-  return [k_BSHK, kv_BSHX[..., U:], piece_BS, valid_BS]
+  return [*_split_keys(kv_BSHX, k_rope_BSR, U), piece_BS, valid_BS]
 
 
 def _attend_shard_contiguous(offset, local, whole, params, *, U, scale,
@@ -450,17 +455,15 @@ def _attend_one_device(q_BTHK, c_kv_BTZ, k_rope_BTR, segment_ids, dense, *,
   latent by `kv_b_proj` (built here, in the caller's module scope), the
   shared RoPE key broadcast to every head. Returns [B,T,H,V] float32."""
   B, T, H, _ = q_BTHK.shape
-  R = k_rope_BTR.shape[-1]
   kv_BTHX = dense(H * (U + V), "kv_b_proj")(c_kv_BTZ).reshape(
       B, T, H, U + V)
-  k_BTHK = jnp.concatenate([kv_BTHX[..., :U], jnp.broadcast_to(
-      k_rope_BTR[:, :, None], (B, T, H, R))], axis=-1)
+  k_BTHK, v_BTHV = _split_keys(kv_BTHX, k_rope_BTR, U)
   if segment_ids is None:
     piece_BT = valid_BT = None
   else:
     piece_BT, valid_BT = segments.piece_ids(segment_ids), segment_ids != 0
-  return _attend(q_BTHK, k_BTHK, kv_BTHX[..., U:], piece_BT, valid_BT,
-                 scale=scale, q_block=q_block)
+  return _attend(q_BTHK, k_BTHK, v_BTHV, piece_BT, valid_BT, scale=scale,
+                 q_block=q_block)
 
 
 class MultiHeadLatentAttention(hk.Module):
