@@ -188,8 +188,9 @@ def decayed_products(xs, k, dec, *, safe):
     if safe:
       diag = jnp.einsum("...irk,...isk->...irs", x_row, k_diag)
     else:
-      xd = x_b[..., :, None, :] * dec.diag                    # [L,nb,c,c,K]
-      diag = jnp.einsum("...rsk,...sk->...rs", xd, k_b)       # [L,nb,c,c]
+      # One fused multiply-reduce: no [c,c,K] product is materialised.
+      diag = jnp.sum(x_b[..., :, None, :] * dec.diag * k_b[..., None, :, :],
+                     axis=-1)                                 # [L,nb,c,c]
     a = a + jnp.einsum("...irs,ij->...irjs", diag, eye)
     outs.append(a.reshape(*lead, nb * sub, nb * sub))
   return tuple(outs)
@@ -232,8 +233,8 @@ def decayed_products_bwd(xs, cts, k, fr, dec, *, safe):
       zL = zL - dk_diag * k_b * dec.diag
       dx_b = dx_row * dec.e_row
     else:
-      dx_b = dx_row * dec.e_row + jnp.einsum(
-          "...rs,...rsk->...rk", cd, dec.diag * k_b[..., None, :, :])
+      dx_b = dx_row * dec.e_row + jnp.sum(
+          cd[..., None] * dec.diag * k_b[..., None, :, :], axis=-2)
       t = cd[..., None] * x_b[..., :, None, :]                # [L,nb,c,c,K]
       pair = t if pair is None else pair + t
     zL = zL + dx_row * x_row
@@ -315,14 +316,15 @@ def _chunk_masks(run, run_prev):
   return (same & tri).astype(_F32), (same & strict).astype(_F32)
 
 
-def intra(q, k, v, g, beta, run, run_prev, *, sub, safe, saved=None):
+def intra(q, k, v, g, beta, run, run_prev, *, sub, solve, safe, saved=None):
   """Everything that does not depend on the carried state, for many chunks.
 
   Args:
     q, k, g: [B,H,G,C,K] (q pre-scaled); v: [B,H,G,C,V]; beta: [B,H,G,C].
     run: [B,G,C] int32 segment-run index; run_prev: [B,G] run of the token
       before each chunk.
-    sub: sub-block size c.
+    sub: sub-block size c of the decay factorisation.
+    solve: block size of the blocked triangular inverse (divides C).
     safe: every gate is >= -5: factorise the diagonal sub-blocks too.
     saved: (aqk, akk, p) of an earlier call on the same chunks, to skip the
       decayed products and the triangular inverse.
@@ -339,7 +341,7 @@ def intra(q, k, v, g, beta, run, run_prev, *, sub, safe, saved=None):
     mask_qk, mask_kk = _chunk_masks(run, run_prev)
     aqk = aqk * mask_qk
     akk = akk * mask_kk
-    p = unit_lower_inverse(akk * beta[..., None], sub)
+    p = unit_lower_inverse(akk * beta[..., None], solve)
   else:
     aqk, akk, p = saved
   # Chunk-frame decays, rebuilt from block-local ones: from the chunk start
@@ -371,16 +373,20 @@ def state_bwd_inputs(it, k, q, do):
   return _mT(it.aqk) @ do, _mT(q * it.F) @ do, k * it.E
 
 
-def chunk_grads(q, k, v, beta, run, run_prev, it, S, dS, do, *, safe):
-  """Per-row gradients of many chunks, given the state S entering each and
-  the cotangent dS of the state leaving it.
+def chunk_grads(q, k, v, beta, run, run_prev, it, S, v_new, dS, dvn, do, *,
+                safe):
+  """Per-row gradients of many chunks, given the state S entering each, the
+  cotangent dS of the state leaving it, and v_new and its cotangent.
 
   Args:
     q, k: [L...,C,K] (q pre-scaled); v: [L...,C,V]; beta: [L...,C].
     run, run_prev: as for `intra`.
     it: `intra(...)` of the same chunks.
     S: [L...,K,V] state entering each chunk.
+    v_new: [L...,C,V] the forward's `u - w S`.
     dS: [L...,K,V] cotangent of the state leaving each chunk.
+    dvn: [L...,C,V] cotangent of v_new, `Aqk^T do + (k E) dS` (from the
+      reverse state recurrence).
     do: [L...,C,V] cotangent of the chunk's outputs.
     safe: as for `intra`.
 
@@ -391,13 +397,12 @@ def chunk_grads(q, k, v, beta, run, run_prev, it, S, dS, do, *, safe):
   mask_qk, mask_kk = _chunk_masks(run, run_prev)
   bt = beta[..., None]
   kE = k * it.E
-  v_new = it.u - it.w @ S
-  dvn = _mT(it.aqk) @ do + kE @ dS
-  dqF = do @ _mT(S)
+  C = do.shape[-2]
+  dqF, dw = jnp.split(jnp.concatenate([do, -dvn], axis=-2) @ _mT(S), [C],
+                      axis=-2)                               # one S product
   dkE = v_new @ _mT(dS)
   dDv = jnp.sum(S * dS, axis=-1)
   daqk = (do @ _mT(v_new)) * mask_qk
-  dw = -(dvn @ _mT(S))
   pt = _mT(it.p)
   dX = pt @ dw
   dbv = pt @ dvn
@@ -411,20 +416,21 @@ def chunk_grads(q, k, v, beta, run, run_prev, it, S, dS, do, *, safe):
   dq = dqF * it.F + dq_p
   dk = dX * bt * it.F + dkE * it.E + dk_p + dk_c
   dv = dbv * bt
-  # Exponent cotangents of F (L + before), E (R + after) and Dv (sum tot).
-  nb = zL.shape[-3]
-  zF = _blk((dX * bt * k + dqF * q) * it.F, nb)
-  zE = _blk(dkE * kE, nb)
-  zL = zL + zF
-  zR = zR + zE
-  blocks_before = jnp.tril(jnp.ones((nb, nb), _F32), -1)    # [i, m]: m < i
-  dtot = (dtot + jnp.einsum("im,...ik->...mk", blocks_before,
-                            jnp.sum(zF, axis=-2))
-          + jnp.einsum("mi,...ik->...mk", blocks_before,
-                       jnp.sum(zE, axis=-2))
-          + (dDv * it.Dv)[..., None, :])
+  # Exponent cotangents of F, E and Dv. F's exponent at a row of the first
+  # segment is the sum of the chunk's gates up to that row, E's at a row of
+  # the last segment the sum of the gates after it, Dv's the sum of all
+  # (the forward builds them from block sums, the same linear maps): their
+  # transposes are a reverse cumulative sum, a strict cumulative sum and a
+  # broadcast, one [C, 2C] matmul.
+  zF = (dX * bt * k + dqF * q) * it.F
+  zE = dkE * kE
+  incl = jnp.tril(jnp.ones((C, C), _F32))                    # [r, s]: s <= r
+  spans = jnp.concatenate([incl.T, incl - jnp.eye(C, dtype=_F32)], axis=1)
+  dg = jnp.einsum("tr,...rk->...tk", spans,
+                  jnp.concatenate([zF, zE], axis=-2))
+  dg = dg + (dDv * it.Dv)[..., None, :]
   zL = zL.at[..., -1, :].add(dtot)
-  dg = _unblk(_mT(it.fr.wl) @ zL + _mT(it.fr.wr) @ zR)
+  dg = dg + _unblk(_mT(it.fr.wl) @ zL + _mT(it.fr.wr) @ zR)
   if dg_pair is not None:
     dg = dg + dg_pair
   return dq, dk, dv, dg, dbeta

@@ -50,23 +50,27 @@ import jax.numpy as jnp
 
 from kda_lm.ops.kda import chunk_math, common
 
-SUB_BLOCK = common.SUB_BLOCK  # c: rows per anchored sub-block, solve block
-GROUP_CHUNKS = 8      # chunks per group (memory/speed trade-off)
+SAFE_SUB_BLOCK = 16   # c with safe gates (a sub-block decays by <= e^80)
+EXACT_SUB_BLOCK = 8   # c with exact gates: pairwise decays cost C*c*K
+SOLVE_BLOCK = common.SUB_BLOCK  # block of the blocked triangular inverse
+GROUP_CHUNKS = 4      # chunks per group (memory/speed trade-off)
 
 
 def _chunk_major(x):
   return jnp.moveaxis(x, 2, 0)                               # G to front
 
 
-def _group_forward(S, xs, *, sub, safe, save):
+def _group_forward(S, xs, *, sub, solve, safe, save):
   """One group of chunks: intra work vectorised, then the state recurrence.
 
   Returns the state leaving the group, the outputs [B,H,G,C,V] and, with
   `save`, the residuals of the backward pass: the states entering each chunk
-  [B,H,G,K,V] and each chunk's Aqk, Akk and (I + M)^-1.
+  [B,H,G,K,V], each chunk's v_new [B,H,G,C,V], and its Aqk, Akk and
+  (I + M)^-1.
   """
   q, k, v, g, beta, run, run_prev = xs
-  it = chunk_math.intra(q, k, v, g, beta, run, run_prev, sub=sub, safe=safe)
+  it = chunk_math.intra(q, k, v, g, beta, run, run_prev, sub=sub,
+                        solve=solve, safe=safe)
   kd = k * it.E
 
   def state_step(S, x):  # S [B,H,K,V]
@@ -80,34 +84,36 @@ def _group_forward(S, xs, *, sub, safe, save):
   v_new = jnp.moveaxis(v_new, 0, 2)                          # [B,H,G,C,V]
   S_in = jnp.moveaxis(S_in, 0, 2)                            # [B,H,G,K,V]
   o = (q * it.F) @ S_in + it.aqk @ v_new
-  return S, (o, (S_in, it.aqk, it.akk, it.p) if save else None)
+  return S, (o, (S_in, v_new, it.aqk, it.akk, it.p) if save else None)
 
 
-def _group_backward(dS, xs, *, sub, safe):
+def _group_backward(dS, xs, *, sub, solve, safe):
   """One group in reverse: dS leaving the group -> dS entering it, grads."""
-  q, k, v, g, beta, run, run_prev, (S_in, *saved), do = xs
-  it = chunk_math.intra(q, k, v, g, beta, run, run_prev, sub=sub, safe=safe,
-                        saved=saved)
+  q, k, v, g, beta, run, run_prev, (S_in, v_new, *saved), do = xs
+  it = chunk_math.intra(q, k, v, g, beta, run, run_prev, sub=sub,
+                        solve=solve, safe=safe, saved=saved)
   ado, qdo, kd = chunk_math.state_bwd_inputs(it, k, q, do)
 
   def state_step(dS, x):  # dS [B,H,K,V]: cotangent of the state after chunk
     ado_c, qdo_c, w_c, kd_c, decay_c = x
     dvn = ado_c + kd_c @ dS
     dS_prev = decay_c[..., None] * dS + qdo_c - jnp.swapaxes(w_c, -1, -2) @ dvn
-    return dS_prev, dS
+    return dS_prev, (dS, dvn)
 
-  dS, dS_out = jax.lax.scan(
+  dS, (dS_out, dvn) = jax.lax.scan(
       state_step, dS, tuple(map(_chunk_major, (ado, qdo, it.w, kd, it.Dv))),
       reverse=True)
   dS_out = jnp.moveaxis(dS_out, 0, 2)                        # [B,H,G,K,V]
+  dvn = jnp.moveaxis(dvn, 0, 2)                              # [B,H,G,C,V]
   grads = chunk_math.chunk_grads(q, k, v, beta, run, run_prev, it, S_in,
-                                 dS_out, do, safe=safe)
+                                 v_new, dS_out, dvn, do, safe=safe)
   return dS, grads
 
 
 def _scan_forward(q, k, v, g, beta, h0, run, run_prev, cfg, save):
-  sub, safe = cfg
-  step = functools.partial(_group_forward, sub=sub, safe=safe, save=save)
+  sub, solve, safe = cfg
+  step = functools.partial(_group_forward, sub=sub, solve=solve, safe=safe,
+                           save=save)
   final, (o, saved) = jax.lax.scan(step, h0,
                                    (q, k, v, g, beta, run, run_prev))
   return o, final, saved
@@ -128,10 +134,10 @@ def _chunked_fwd(q, k, v, g, beta, h0, run, run_prev, cfg):
 
 
 def _chunked_bwd(cfg, res, cts):
-  sub, safe = cfg
+  sub, solve, safe = cfg
   q, k, v, g, beta, run, run_prev, saved = res
   do, dfinal = cts
-  step = functools.partial(_group_backward, sub=sub, safe=safe)
+  step = functools.partial(_group_backward, sub=sub, solve=solve, safe=safe)
   dh0, (dq, dk, dv, dg, dbeta) = jax.lax.scan(
       step, dfinal, (q, k, v, g, beta, run, run_prev, saved, do),
       reverse=True)
@@ -142,7 +148,7 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def kda_chunked(q, k, v, g, beta, segs, h0, scale, *, chunk_size=64,
-                safe_gate=False, group_chunks=GROUP_CHUNKS):
+                safe_gate=False, group_chunks=None):
   """Chunked KDA over canonical inputs (see `common` and `reference`).
 
   Args:
@@ -155,7 +161,8 @@ def kda_chunked(q, k, v, g, beta, segs, h0, scale, *, chunk_size=64,
     chunk_size: C, a multiple of 16 (or any size <= 16).
     safe_gate: every gate is >= -5 (the bounded gate form): use the
       all-matmul fast path.
-    group_chunks: chunks per group (memory/speed trade-off).
+    group_chunks: chunks per group (memory/speed trade-off); None takes
+      `GROUP_CHUNKS`.
 
   Returns:
     o [B,T,H,V] float32 (zero at padding) and the final state [B,H,K,V].
@@ -163,9 +170,11 @@ def kda_chunked(q, k, v, g, beta, segs, h0, scale, *, chunk_size=64,
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
-  sub = min(SUB_BLOCK, C)
+  sub = min(SAFE_SUB_BLOCK if safe_gate else EXACT_SUB_BLOCK, C)
+  sub = sub if C % sub == 0 else C
+  solve = min(SOLVE_BLOCK, C)
   n_chunks = -(-T // C)
-  n_groups = -(-n_chunks // group_chunks)
+  n_groups = -(-n_chunks // (group_chunks or GROUP_CHUNKS))
   gc = -(-n_chunks // n_groups)                              # chunks per group
   Tp = n_groups * gc * C
   run = jnp.cumsum(segs.reset.astype(jnp.int32), axis=1)      # [B,T]
@@ -187,7 +196,7 @@ def kda_chunked(q, k, v, g, beta, segs, h0, scale, *, chunk_size=64,
   run_prev = jnp.moveaxis(run_prev.reshape(B, n_groups, gc), 1, 0)
   o, final = _chunked(grouped(q), grouped(k), grouped(v), grouped(g),
                       grouped(beta[..., None])[..., 0], h0, run_c, run_prev,
-                      (sub, bool(safe_gate)))           # o [n,B,H,gc,C,V]
+                      (sub, solve, bool(safe_gate)))           # o [n,B,H,gc,C,V]
   o = jnp.transpose(o, (1, 0, 3, 4, 2, 5)).reshape(B, Tp, H, V)[:, :T]
   o = jnp.where(segs.pad[:, :, None, None], 0.0, o)
   return o, final
