@@ -183,14 +183,21 @@ def decayed_products(xs, k, dec, *, safe):
   for x in xs:
     x_b = _blk(x, nb)
     x_row = x_b * dec.e_row                                   # [L,nb,c,K]
-    x_off = x_row[..., :, :, None, :] * dec.e_between[..., :, None, :, :]
-    a = jnp.einsum("...irjk,...jsk->...irjs", x_off, k_col)   # [L,i,c,j,c]
     if safe:
       diag = jnp.einsum("...irk,...isk->...irs", x_row, k_diag)
     else:
       # One fused multiply-reduce: no [c,c,K] product is materialised.
       diag = jnp.sum(x_b[..., :, None, :] * dec.diag * k_b[..., None, :, :],
                      axis=-1)                                 # [L,nb,c,c]
+    if nb == 2:  # one block below the diagonal, nothing between
+      off = x_row[..., 1, :, :] @ _mT(k_col[..., 0, :, :])
+      zero = jnp.zeros_like(off)
+      outs.append(jnp.concatenate(
+          [jnp.concatenate([diag[..., 0, :, :], zero], axis=-1),
+           jnp.concatenate([off, diag[..., 1, :, :]], axis=-1)], axis=-2))
+      continue
+    x_off = x_row[..., :, :, None, :] * dec.e_between[..., :, None, :, :]
+    a = jnp.einsum("...irjk,...jsk->...irjs", x_off, k_col)   # [L,i,c,j,c]
     a = a + jnp.einsum("...irs,ij->...irjs", diag, eye)
     outs.append(a.reshape(*lead, nb * sub, nb * sub))
   return tuple(outs)
@@ -218,13 +225,20 @@ def decayed_products_bwd(xs, cts, k, fr, dec, *, safe):
   for x, ct in zip(xs, cts, strict=True):
     x_b = _blk(x, nb)
     x_row = x_b * dec.e_row
-    c5 = ct.reshape(*lead, nb, sub, nb, sub)                  # [L,i,r,j,s]
-    y = jnp.einsum("...irjs,...jsk->...irjk", c5, k_col)
-    dx_row = jnp.einsum("...irjk,...ijk->...irk", y, dec.e_between)
-    d_between = d_between + jnp.einsum("...irjk,...irk->...ijk", y, x_row)
-    x_off = x_row[..., :, :, None, :] * dec.e_between[..., :, None, :, :]
-    dk_col = dk_col + jnp.einsum("...irjs,...irjk->...jsk", c5, x_off)
-    cd = jnp.einsum("...irjs,ij->...irs", c5, eye)            # diag blocks
+    if nb == 2:  # one block below the diagonal, nothing between
+      c_off = ct[..., sub:, :sub]
+      dx_row = jnp.stack([jnp.zeros_like(c_off @ k_col[..., 0, :, :]),
+                          c_off @ k_col[..., 0, :, :]], axis=-3)
+      dk_col = dk_col.at[..., 0, :, :].add(_mT(c_off) @ x_row[..., 1, :, :])
+      cd = jnp.stack([ct[..., :sub, :sub], ct[..., sub:, sub:]], axis=-3)
+    else:
+      c5 = ct.reshape(*lead, nb, sub, nb, sub)                # [L,i,r,j,s]
+      y = jnp.einsum("...irjs,...jsk->...irjk", c5, k_col)
+      dx_row = jnp.einsum("...irjk,...ijk->...irk", y, dec.e_between)
+      d_between = d_between + jnp.einsum("...irjk,...irk->...ijk", y, x_row)
+      x_off = x_row[..., :, :, None, :] * dec.e_between[..., :, None, :, :]
+      dk_col = dk_col + jnp.einsum("...irjs,...irjk->...jsk", c5, x_off)
+      cd = jnp.einsum("...irjs,ij->...irs", c5, eye)          # diag blocks
     if safe:
       dx_row = dx_row + jnp.einsum("...irs,...isk->...irk", cd,
                                    k_b * dec.diag)
