@@ -159,6 +159,13 @@ def decay_factors(fr, *, safe):
                 e_between=_masked_exp(lower, between), diag=diag)
 
 
+def _below(x_row, e_between, j):
+  """[L...,(nb-1-j)*c,K]: rows of the blocks i > j, times exp(between)."""
+  *lead, nb, sub, K = x_row.shape
+  x = x_row[..., j + 1:, :, :] * e_between[..., j + 1:, j, None, :]
+  return x.reshape(*lead, (nb - 1 - j) * sub, K)
+
+
 def decayed_products(xs, k, dec, *, safe):
   """Returns [sum_d x_r k_s exp(G_r - G_s)]_{r,s} for each x in xs.
 
@@ -178,7 +185,6 @@ def decayed_products(xs, k, dec, *, safe):
   k_b = _blk(k, nb)
   k_col = k_b * dec.e_col
   k_diag = k_b * dec.diag if safe else None
-  eye = jnp.eye(nb, dtype=_F32)
   outs = []
   for x in xs:
     x_b = _blk(x, nb)
@@ -189,18 +195,41 @@ def decayed_products(xs, k, dec, *, safe):
       # One fused multiply-reduce: no [c,c,K] product is materialised.
       diag = jnp.sum(x_b[..., :, None, :] * dec.diag * k_b[..., None, :, :],
                      axis=-1)                                 # [L,nb,c,c]
-    if nb == 2:  # one block below the diagonal, nothing between
-      off = x_row[..., 1, :, :] @ _mT(k_col[..., 0, :, :])
-      zero = jnp.zeros_like(off)
-      outs.append(jnp.concatenate(
-          [jnp.concatenate([diag[..., 0, :, :], zero], axis=-1),
-           jnp.concatenate([off, diag[..., 1, :, :]], axis=-1)], axis=-2))
-      continue
-    x_off = x_row[..., :, :, None, :] * dec.e_between[..., :, None, :, :]
-    a = jnp.einsum("...irjk,...jsk->...irjs", x_off, k_col)   # [L,i,c,j,c]
-    a = a + jnp.einsum("...irs,ij->...irjs", diag, eye)
-    outs.append(a.reshape(*lead, nb * sub, nb * sub))
+    cols = []
+    for j in range(nb):  # column block j: zeros, diagonal, blocks below
+      col = [jnp.zeros((*lead, j * sub, sub), _F32), diag[..., j, :, :]]
+      if j < nb - 1:
+        col.append(_below(x_row, dec.e_between, j) @ _mT(k_col[..., j, :, :]))
+      cols.append(jnp.concatenate(col, axis=-2))
+    outs.append(jnp.concatenate(cols, axis=-1))
   return tuple(outs)
+
+
+def _below_bwd(ct, x_row, k_col, e_between):
+  """Cotangents of the blocks below the diagonal, given ct [L...,C,C].
+
+  Returns:
+    (dx_row [L...,nb,c,K], d_between [L...,nb,nb,K], dk_col [L...,nb,c,K]).
+  """
+  *lead, nb, sub, K = x_row.shape
+  dx_row = [jnp.zeros_like(x_row[..., 0, :, :])] * nb
+  d_between = [[jnp.zeros_like(x_row[..., 0, 0, :])] * nb for _ in range(nb)]
+  dk_col = []
+  for j in range(nb):
+    if j == nb - 1:
+      dk_col.append(jnp.zeros_like(x_row[..., 0, :, :]))
+      continue
+    ct_j = ct[..., (j + 1) * sub:, j * sub:(j + 1) * sub]     # [L,(..)c,c]
+    dk_col.append(_mT(ct_j) @ _below(x_row, e_between, j))
+    d_below = ct_j @ k_col[..., j, :, :]                      # [L,(..)c,K]
+    for i in range(j + 1, nb):
+      d = d_below[..., (i - j - 1) * sub:(i - j) * sub, :]
+      dx_row[i] = dx_row[i] + d * e_between[..., i, j, None, :]
+      if i - j > 1:  # (adjacent blocks have nothing between them)
+        d_between[i][j] = jnp.sum(d * x_row[..., i, :, :], axis=-2)
+  d_between = jnp.stack([jnp.stack(row, axis=-2) for row in d_between],
+                        axis=-3)
+  return (jnp.stack(dx_row, axis=-3), d_between, jnp.stack(dk_col, axis=-3))
 
 
 def decayed_products_bwd(xs, cts, k, fr, dec, *, safe):
@@ -215,7 +244,6 @@ def decayed_products_bwd(xs, cts, k, fr, dec, *, safe):
   *lead, nb, sub, K = dec.e_row.shape
   k_b = _blk(k, nb)
   k_col = k_b * dec.e_col
-  eye = jnp.eye(nb, dtype=_F32)
   dk_col = jnp.zeros_like(k_b)
   d_between = jnp.zeros_like(dec.e_between)
   zL = jnp.zeros_like(k_b)
@@ -225,20 +253,11 @@ def decayed_products_bwd(xs, cts, k, fr, dec, *, safe):
   for x, ct in zip(xs, cts, strict=True):
     x_b = _blk(x, nb)
     x_row = x_b * dec.e_row
-    if nb == 2:  # one block below the diagonal, nothing between
-      c_off = ct[..., sub:, :sub]
-      dx_row = jnp.stack([jnp.zeros_like(c_off @ k_col[..., 0, :, :]),
-                          c_off @ k_col[..., 0, :, :]], axis=-3)
-      dk_col = dk_col.at[..., 0, :, :].add(_mT(c_off) @ x_row[..., 1, :, :])
-      cd = jnp.stack([ct[..., :sub, :sub], ct[..., sub:, sub:]], axis=-3)
-    else:
-      c5 = ct.reshape(*lead, nb, sub, nb, sub)                # [L,i,r,j,s]
-      y = jnp.einsum("...irjs,...jsk->...irjk", c5, k_col)
-      dx_row = jnp.einsum("...irjk,...ijk->...irk", y, dec.e_between)
-      d_between = d_between + jnp.einsum("...irjk,...irk->...ijk", y, x_row)
-      x_off = x_row[..., :, :, None, :] * dec.e_between[..., :, None, :, :]
-      dk_col = dk_col + jnp.einsum("...irjs,...irjk->...jsk", c5, x_off)
-      cd = jnp.einsum("...irjs,ij->...irs", c5, eye)          # diag blocks
+    dx_row, d_btw, dk_c = _below_bwd(ct, x_row, k_col, dec.e_between)
+    d_between = d_between + d_btw
+    dk_col = dk_col + dk_c
+    cd = jnp.stack([ct[..., i * sub:(i + 1) * sub, i * sub:(i + 1) * sub]
+                    for i in range(nb)], axis=-3)             # diag blocks
     if safe:
       dx_row = dx_row + jnp.einsum("...irs,...isk->...irk", cd,
                                    k_b * dec.diag)

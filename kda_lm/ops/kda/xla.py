@@ -196,7 +196,7 @@ def kda_chunked(q, k, v, g, beta, segs, h0, scale, *, chunk_size=64,
   run_prev = jnp.moveaxis(run_prev.reshape(B, n_groups, gc), 1, 0)
   o, final = _chunked(grouped(q), grouped(k), grouped(v), grouped(g),
                       grouped(beta[..., None])[..., 0], h0, run_c, run_prev,
-                      (sub, solve, bool(safe_gate)))           # o [n,B,H,gc,C,V]
+                      (sub, solve, bool(safe_gate)))  # o [n,B,H,gc,C,V]
   o = jnp.transpose(o, (1, 0, 3, 4, 2, 5)).reshape(B, Tp, H, V)[:, :T]
   o = jnp.where(segs.pad[:, :, None, None], 0.0, o)
   return o, final
