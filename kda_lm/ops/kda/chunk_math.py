@@ -16,8 +16,8 @@ Forward, per chunk with state S entering it (q pre-scaled):
   F = exp(G) on the first segment, E = exp(G_last - G) on the last one,
   Dv = exp(G_last) if the chunk holds no reset.
 
-Backward (`chunk_grads`), given S and the cotangent dS' of the state leaving
-the chunk:
+Backward (`chunk_grads`), given S, v_new, the cotangent dS' of the state
+leaving the chunk and dv_new (both from the caller's reverse recurrence):
 
   dv_new = Aqk^T do + (k E) dS'           d(q F) = do S^T,  d(k E) = v_new dS'^T
   dAqk = mask(do v_new^T),  dw = -dv_new S^T,  dX = P^T dw,  d(bv) = P^T dv_new
@@ -30,7 +30,9 @@ Gate gradients follow the forward's exponents exactly: every exponent is a
 masked sum of the gates it spans (`L`: gates from the block or segment start
 up to a row; `R`: gates after a row up to the block end; `tot`: whole
 blocks), so the cotangent of each exponent goes back through the transpose
-of that same masked sum, and no +x/-x pair cancels in float32. Exact
+of that same masked sum, and no +x/-x pair cancels in float32 (the
+chunk-level exponents of F, E and Dv are the same linear maps of the gates,
+so their cotangents go back through one [C, 2C] matmul). Exact
 (unbounded) gates use the pairwise decay inside diagonal sub-blocks, whose
 cotangent reaches exactly the gates each pair spans (`span` below).
 """

@@ -25,20 +25,24 @@ second factor can overflow (a -1000 gate), so the exact path computes the
 pairwise decay there with the exponent (not the result) masked. With
 `safe_gate` (every gate >= -5, so a sub-block decays by at most e^80) the
 diagonal sub-blocks are factorised too: all matmuls, no pairwise tensor.
+Sub-blocks are 16 rows with safe gates and 8 with exact gates (whose
+pairwise decays cost C*c*K exponentials per chunk); the triangular inverse
+works on 16-row blocks either way.
 
 Chunks are processed in groups of `GROUP_CHUNKS`: an outer `lax.scan` over
 groups does the intra-chunk work of a group vectorised over its chunks, and
 an inner scan carries the state through them. The op is a `jax.custom_vjp`
 (`chunk_math` has the per-chunk math, forward and hand-derived backward):
 the forward saves the state entering every chunk, [N,B,H,K,V] (N = T/C),
-and each chunk's Aqk, Akk and (I + M)^-1 ([C,C] each); the backward walks
-the groups in reverse, recomputes a group's remaining intra-chunk terms
-(decay factors, w, u), runs the reverse state recurrence
+each chunk's v_new and its Aqk, Akk and (I + M)^-1 ([C,C] each); the
+backward walks the groups in reverse, recomputes a group's remaining
+intra-chunk terms (decay factors, w), runs the reverse state recurrence
 
   dv_new = Aqk^T do + (k E) dS',   dS = Dv dS' + (q F)^T do - w^T dv_new
 
-over its chunks, then forms every per-row gradient of the group's chunks at
-once. Training memory is O(T*H*(K+V+3C) + (T/C)*H*K*V), never a state per
+over its chunks (keeping each dv_new), then forms every per-row gradient of
+the group's chunks at once. Training memory is O(T*H*(K+2V+3C) +
+(T/C)*H*K*V), never a state per
 token. Forward-mode autodiff (`jax.jvp`) is not supported by a custom VJP:
 it raises `TypeError`; use the reference implementation for tangents.
 """
