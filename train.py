@@ -46,6 +46,9 @@ def main(argv):
       config_flags.get_config_filename(flags.FLAGS["config"]))
   logging.info("Config:\n%s", _CONFIG.value)
   training.train_and_evaluate(_CONFIG.value, workdir)
+  # After a successful run only: after a failure the other processes may
+  # never reach the barrier, and JAX's own exit handler disconnects.
+  distributed.shutdown()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ and turns a coordinator that does not answer within
 `coordinator_timeout_s` into a clear `TimeoutError` instead of a hang. (Once
 connected, JAX itself enforces the timeout: a process that never arrives makes
 the others abort with `DEADLINE_EXCEEDED` after `coordinator_timeout_s`.)
+
+After a run, `train.py` calls `shutdown()` so that every process leaves
+together and process 0 stops the coordinator last (see `shutdown`).
 """
 
 import contextlib
@@ -34,6 +37,9 @@ from jax.experimental import multihost_utils
 import ml_collections
 
 _ADDRESS_KEYS = ("coordinator_address", "num_processes", "process_id")
+# Seconds process 0 waits, after every process has passed the shutdown
+# barrier, before it stops the coordinator (see `shutdown`).
+COORDINATOR_GRACE_S = 2.0
 CPU_COLLECTIVES_ENV = "JAX_CPU_COLLECTIVES_IMPLEMENTATION"
 
 
@@ -241,3 +247,35 @@ def main_process_first(name: str):
   yield
   if is_main_process():
     multihost_utils.sync_global_devices(name)
+
+
+def shutdown(grace_s: float = COORDINATOR_GRACE_S) -> None:
+  """Leaves the job in order; every process calls it after its last step.
+
+  `jax.distributed.shutdown` (which JAX also runs at exit) disconnects this
+  process's client, a barrier over all processes, and on process 0 then
+  stops the coordinator's gRPC server at once. The other processes are still
+  tearing down their own connections at that moment, and a request that
+  arrives while the server is destroyed can abort process 0 inside gRPC
+  (`Check failed: queue.Pop() == nullptr`) after a run that succeeded. Here
+  every process first meets at a barrier (so no checkpoint or metric work is
+  in flight anywhere), the clients disconnect, and process 0 waits `grace_s`
+  before it stops the coordinator. Does nothing when not distributed.
+
+  Args:
+    grace_s: seconds process 0 waits between its client's disconnect and
+      stopping the coordinator.
+  """
+  if not jax.distributed.is_initialized():
+    return
+  # pylint: disable-next=g-import-not-at-top
+  from jax._src import distributed as jax_distributed
+  multihost_utils.sync_global_devices("kda_lm: finished")
+  state = jax_distributed.global_state
+  service, state.service = state.service, None
+  jax.distributed.shutdown()  # The shutdown barrier; this client leaves.
+  if service is not None:
+    logging.info("Stopping the coordinator in %.1f s, once every process "
+                 "has disconnected.", grace_s)
+    time.sleep(grace_s)
+    service.shutdown()
