@@ -252,6 +252,38 @@ def test_no_cluster_detected(monkeypatch):
     distributed.initialize(auto)
 
 
+def test_shutdown_stops_the_coordinator_last(monkeypatch):
+  """The barrier, then every client leaves, then (after the grace) the
+  coordinator stops; nothing at all when not distributed."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax._src import distributed as jax_distributed
+  events = []
+
+  class Service:
+    def shutdown(self):
+      events.append("service")
+
+  class State:
+    service = Service()
+
+    def shutdown(self):
+      events.append(f"client (service attached: {self.service is not None})")
+
+  monkeypatch.setattr(jax_distributed, "global_state", State())
+  monkeypatch.setattr(distributed.multihost_utils, "sync_global_devices",
+                      lambda name: events.append(f"barrier {name}"))
+  monkeypatch.setattr(distributed.time, "sleep",
+                      lambda s: events.append(f"sleep {s}"))
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+  distributed.shutdown()
+  assert not events
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+  distributed.shutdown(grace_s=0.5)
+  assert events == ["barrier kda_lm: finished",
+                    "client (service attached: False)", "sleep 0.5",
+                    "service"]
+
+
 def test_wait_for_coordinator_times_out():
   address = f"127.0.0.1:{_free_port()}"  # Nothing listens there.
   start = time.monotonic()

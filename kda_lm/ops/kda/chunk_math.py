@@ -343,7 +343,8 @@ class Intra(NamedTuple):
   last_b: jax.Array     # [B,1,G,nb,c,1] rows of the last segment
 
 
-def _chunk_masks(run, run_prev):
+def _chunk_masks(run):
+  """[B,1,G,C,C] masks of token pairs in one segment run: (s <= t, s < t)."""
   same = (run[..., :, None] == run[..., None, :])[:, None]   # [B,1,G,C,C]
   C = run.shape[-1]
   tri = jnp.tril(jnp.ones((C, C), bool))
@@ -373,7 +374,7 @@ def intra(q, k, v, g, beta, run, run_prev, *, sub, solve, safe, saved=None):
   dec = decay_factors(fr, safe=safe)
   if saved is None:
     aqk, akk = decayed_products((q, k), k, dec, safe=safe)
-    mask_qk, mask_kk = _chunk_masks(run, run_prev)
+    mask_qk, mask_kk = _chunk_masks(run)
     aqk = aqk * mask_qk
     akk = akk * mask_kk
     p = unit_lower_inverse(akk * beta[..., None], solve)
@@ -429,7 +430,7 @@ def chunk_grads(q, k, v, beta, run, run_prev, it, S, v_new, dS, dvn, do, *,
     (dq, dk, dv, dg, dbeta) with the shapes of (q, k, v, q, beta); dq is the
     cotangent of the pre-scaled q.
   """
-  mask_qk, mask_kk = _chunk_masks(run, run_prev)
+  mask_qk, mask_kk = _chunk_masks(run)
   bt = beta[..., None]
   kE = k * it.E
   C = do.shape[-2]
