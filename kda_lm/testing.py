@@ -8,6 +8,10 @@ on the many entries that are near zero (where an element-wise rtol is
 meaningless) and is invariant to the array's size and scale; it is FLA's
 `get_err_ratio` (relative RMS).
 
+`kda_float64` is the op's oracle for accuracy checks: the token-by-token
+reference run in float64, so a float32 implementation's error against it is
+its own error, not the difference of two float32 roundings.
+
 Inputs use FLA's test distributions; shapes follow `kda_lm.ops.chunk_kda`
 (B rows, T tokens, H heads, K key dim, V value dim, N documents).
 """
@@ -17,7 +21,10 @@ import contextlib
 from typing import Any, Iterable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from kda_lm.ops.kda import common, reference
 
 
 @contextlib.contextmanager
@@ -50,6 +57,49 @@ def rel_err(a: Any, b: Any) -> float:
   if den == 0.0:
     return 0.0 if num == 0.0 else float("inf")
   return float(num / den)
+
+
+def kda_float64(params: dict[str, np.ndarray], do: np.ndarray,
+                dht: np.ndarray, segment_ids: np.ndarray | None = None,
+                scale: float | None = None, **static: Any
+                ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+  """The reference recurrence and its gradients in float64.
+
+  Args:
+    params: `chunk_kda` arrays by name (as `kda_inputs` makes them; no
+      cu_seqlens).
+    do: [B,T,H,V] cotangent of o; dht: [B,H,K,V] cotangent of the final
+      state (the loss is `sum(o * do) + sum(final_state * dht)`).
+    segment_ids: [B,T] int or None.
+    scale: the query scale (default K**-0.5).
+    **static: `use_gate_in_kernel`, `lower_bound`, `use_qk_l2norm_in_kernel`
+      (`safe_gate` and `chunk_size` do not change the result).
+
+  Returns:
+    float64 numpy (o, final_state, {name: gradient}).
+  """
+  B, T, H, K = params["q"].shape
+  scale = K ** -0.5 if scale is None else scale
+  ids = np.ones((B, T), np.int32) if segment_ids is None else segment_ids
+  with jax.enable_x64(True):
+    segs = common.segments_from_ids(jnp.asarray(ids))
+
+    def loss(p):
+      q, k, v, g, beta = common.canonicalize(
+          p["q"], p["k"], p["v"], p["g"], p["beta"], segs,
+          A_log=p.get("A_log"), dt_bias=p.get("dt_bias"),
+          lower_bound=static.get("lower_bound"),
+          use_gate_in_kernel=static.get("use_gate_in_kernel", False),
+          use_qk_l2norm_in_kernel=static.get("use_qk_l2norm_in_kernel",
+                                             False), dtype=jnp.float64)
+      h0 = p.get("initial_state", jnp.zeros((B, H, K, v.shape[-1]),
+                                            jnp.float64))
+      o, s = reference.kda_recurrent(q, k, v, g, beta, segs, h0, scale)
+      return jnp.sum(o * do) + jnp.sum(s * dht), (o, s)
+
+    p64 = {n: jnp.asarray(a, jnp.float64) for n, a in params.items()}
+    grads, (o, s) = jax.jit(jax.grad(loss, has_aux=True))(p64)
+    return jax.tree.map(np.asarray, (o, s, grads))
 
 
 def _sigmoid(x):

@@ -24,13 +24,14 @@ L2NORM_EPS = 1e-6
 SUB_BLOCK = 16
 
 
-def l2norm(x):
-  """FLA's l2norm_fwd: `x / sqrt(sum(x^2) + 1e-6)` over the last axis, f32."""
-  x = x.astype(jnp.float32)
+def l2norm(x, dtype=jnp.float32):
+  """FLA's l2norm_fwd: `x / sqrt(sum(x^2) + 1e-6)` over the last axis, in
+  `dtype` (float32; float64 only for a test oracle)."""
+  x = x.astype(dtype)
   return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
-def kda_gate(g_raw, A_log, dt_bias, lower_bound=None):
+def kda_gate(g_raw, A_log, dt_bias, lower_bound=None, dtype=jnp.float32):
   """Turns the raw gate projection into a per-channel log decay.
 
   Args:
@@ -39,16 +40,17 @@ def kda_gate(g_raw, A_log, dt_bias, lower_bound=None):
     dt_bias: [H*K] float32 (head-major) or None.
     lower_bound: None for the softplus form, else a float in [-5, 0) for the
       bounded form.
+    dtype: the compute dtype (float32; float64 only for a test oracle).
 
   Returns:
-    [B,T,H,K] float32 log decay: `-exp(A_log) * softplus(g + dt_bias)` or
+    [B,T,H,K] log decay in `dtype`: `-exp(A_log) * softplus(g + dt_bias)` or
     `lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`.
   """
   H, K = g_raw.shape[-2:]
-  x = g_raw.astype(jnp.float32)
+  x = g_raw.astype(dtype)
   if dt_bias is not None:
-    x = x + dt_bias.astype(jnp.float32).reshape(H, K)
-  a = jnp.exp(A_log.astype(jnp.float32))[:, None]  # [H,1]
+    x = x + dt_bias.astype(dtype).reshape(H, K)
+  a = jnp.exp(A_log.astype(dtype))[:, None]  # [H,1]
   if lower_bound is None:
     return -a * jax.nn.softplus(x)
   return lower_bound * jax.nn.sigmoid(a * x)
@@ -80,25 +82,27 @@ def segments_from_ids(segment_ids):
 
 
 def canonicalize(q, k, v, g, beta, segs, *, A_log, dt_bias, lower_bound,
-                 use_gate_in_kernel, use_qk_l2norm_in_kernel):
-  """Casts to float32, applies in-kernel gate and norm, zeroes padding.
+                 use_gate_in_kernel, use_qk_l2norm_in_kernel,
+                 dtype=jnp.float32):
+  """Casts to `dtype`, applies in-kernel gate and norm, zeroes padding.
 
   Zeroing happens with `where` after the gate and the norm, so the gradient
-  reaching any padding input is exactly zero (and finite).
+  reaching any padding input is exactly zero (and finite). Every
+  implementation runs in float32; float64 serves only the tests' oracle.
   """
   if use_qk_l2norm_in_kernel:
-    q, k = l2norm(q), l2norm(k)
+    q, k = l2norm(q, dtype), l2norm(k, dtype)
   else:
-    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+    q, k = q.astype(dtype), k.astype(dtype)
   if use_gate_in_kernel:
-    g = kda_gate(g, A_log, dt_bias, lower_bound)
+    g = kda_gate(g, A_log, dt_bias, lower_bound, dtype)
   else:
-    g = g.astype(jnp.float32)
-  v = v.astype(jnp.float32)
-  beta = beta.astype(jnp.float32)
+    g = g.astype(dtype)
+  v = v.astype(dtype)
+  beta = beta.astype(dtype)
   keep = ~segs.pad
   keep4 = keep[:, :, None, None]
-  zero = jnp.zeros((), jnp.float32)
+  zero = jnp.zeros((), dtype)
   q = jnp.where(keep4, q, zero)
   k = jnp.where(keep4, k, zero)
   v = jnp.where(keep4, v, zero)
