@@ -18,12 +18,14 @@ Inputs use FLA's test distributions; shapes follow `kda_lm.ops.chunk_kda`
 
 import collections
 import contextlib
+import os
 from typing import Any, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kda_lm import distributed
 from kda_lm.ops.kda import common, reference
 
 
@@ -40,6 +42,39 @@ def most_optimizations_disabled(disabled: bool = True):
     yield
   finally:
     jax.config.update("jax_disable_most_optimizations", previous)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def subprocess_env(cache_dir: str | None = None, xla_flags: str = "",
+                   fast_compile: bool = True) -> dict[str, str]:
+  """The environment of a test's Python subprocess (train.py, checks).
+
+  The repository on PYTHONPATH, CPU only, no CPU-collectives choice
+  inherited (multi-process runs pick gloo themselves).
+
+  Args:
+    cache_dir: a persistent compilation cache shared by the subprocesses
+      (every compile cached), or None.
+    xla_flags: appended to XLA_FLAGS (e.g. fake device counts).
+    fast_compile: skip most XLA optimizations (tiny shapes, where
+      compilation dominates; as the tests' `fast_compile` fixture).
+
+  Returns:
+    A copy of `os.environ` with those settings.
+  """
+  env = dict(os.environ)
+  env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+  env["JAX_PLATFORMS"] = "cpu"
+  if cache_dir is not None:
+    env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  if fast_compile:
+    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
+  env.pop(distributed.CPU_COLLECTIVES_ENV, None)
+  return env
 
 
 def rel_err(a: Any, b: Any) -> float:

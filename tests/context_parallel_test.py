@@ -16,7 +16,7 @@ import sys
 
 import jax
 
-from kda_lm import context_parallel
+from kda_lm import context_parallel, testing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKS = os.path.join(REPO, "tests", "context_parallel_checks.py")
@@ -24,9 +24,8 @@ FWD, GRAD = 1e-5, 1e-4
 
 
 def _run_checks(group):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  result = subprocess.run([sys.executable, CHECKS, group], cwd=REPO, env=env,
+  result = subprocess.run([sys.executable, CHECKS, group], cwd=REPO,
+                          env=testing.subprocess_env(),
                           capture_output=True, text=True, timeout=600,
                           check=False)
   assert result.returncode == 0, result.stderr[-4000:]

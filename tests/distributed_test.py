@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from kda_lm import distributed, metrics
+from kda_lm import distributed, metrics, testing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -115,19 +115,6 @@ def _mesh(**fields) -> ml_collections.ConfigDict:
       num_processes=2, process_id=0, coordinator_timeout_s=300))
   mesh.update(fields)
   return mesh
-
-
-def _env(cache_dir: str, xla_flags: str = "") -> dict[str, str]:
-  env = dict(os.environ)
-  env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-  env["JAX_PLATFORMS"] = "cpu"
-  env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
-  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-  # Tiny shapes: compilation dominates (as the `fast_compile` fixture).
-  env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
-  env.pop(distributed.CPU_COLLECTIVES_ENV, None)
-  return env
 
 
 def _run_all(commands: list[list[str]], env: dict[str, str], logdir: str,
@@ -303,7 +290,8 @@ def test_train_py_without_coordinator_fails_in_time(tmp_path):
              "--config.mesh.num_processes=2", "--config.mesh.process_id=1",
              "--config.mesh.coordinator_timeout_s=3"]
   start = time.monotonic()
-  result = subprocess.run(command, cwd=REPO, env=_env(str(tmp_path)),
+  result = subprocess.run(command, cwd=REPO,
+                          env=testing.subprocess_env(str(tmp_path)),
                           capture_output=True, text=True, timeout=120,
                           check=False)
   assert result.returncode != 0
@@ -321,13 +309,14 @@ def test_two_processes_match_one_and_resume(tmp_path):
       [sys.executable, "-c", _REFERENCE, json.dumps(
           {**OVERRIDES, "data.data_dir": data_dir,
            "checkpoint.enabled": False}), reference],
-      cwd=REPO, env=_env(cache_dir, "--xla_force_host_platform_device_count=2"),
+      cwd=REPO, env=testing.subprocess_env(
+          cache_dir, "--xla_force_host_platform_device_count=2"),
       capture_output=True, text=True, timeout=300, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   expected = metrics.read_metrics(reference)
   assert [r["step"] for r in expected] == list(range(1, 11))
 
-  env = _env(cache_dir)
+  env = testing.subprocess_env(cache_dir)
   first = str(tmp_path / "first")
   logs = _two_processes(first, data_dir, env)
   for i, log in enumerate(logs):

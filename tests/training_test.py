@@ -22,7 +22,7 @@ import pytest
 
 from configs import ling3_tiny
 from data import pipeline
-from kda_lm import checkpointing, losses, metrics, sharding, training
+from kda_lm import checkpointing, losses, metrics, sharding, testing, training
 from kda_lm import workdir as workdir_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,23 +125,11 @@ def train_command(config_file, workdir, *flags):
           f"--config={config_file}", f"--workdir={workdir}", *flags]
 
 
-def subprocess_env(cache_dir, xla_flags=""):
-  env = dict(os.environ)
-  env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-  env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
-  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-  env["JAX_PLATFORMS"] = "cpu"
-  # Tiny shapes: compilation dominates (as the `fast_compile` fixture).
-  env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
-  return env
-
-
 def run_train(config_file, workdir, cache_dir, *flags, xla_flags="",
               timeout=300):
   result = subprocess.run(
       train_command(config_file, workdir, *flags), cwd=REPO,
-      env=subprocess_env(cache_dir, xla_flags), capture_output=True,
+      env=testing.subprocess_env(cache_dir, xla_flags), capture_output=True,
       text=True, timeout=timeout, check=False)
   assert result.returncode == 0, result.stderr[-4000:]
   return result
@@ -239,7 +227,7 @@ def test_sigkill_then_rerun_resumes(tmp_path, data_dir, cache_dir):
       checkpoint__max_to_keep=2)
   proc = subprocess.Popen(
       train_command(config_file, workdir), cwd=REPO,
-      env=subprocess_env(cache_dir), stdout=subprocess.DEVNULL,
+      env=testing.subprocess_env(cache_dir), stdout=subprocess.DEVNULL,
       stderr=subprocess.DEVNULL)
   checkpoints = os.path.join(workdir, "checkpoints")
   deadline = time.time() + 240
@@ -407,7 +395,7 @@ def test_four_devices_match_one(tmp_path, data_dir, cache_dir):
   result = subprocess.run(
       [sys.executable, "-c", _FOUR_DEVICES, config_file, *workdirs],
       cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
-      env=subprocess_env(
+      env=testing.subprocess_env(
           cache_dir, "--xla_force_host_platform_device_count=4"))
   assert result.returncode == 0, result.stderr[-4000:]
   meshes = ["{'data': 4, 'fsdp': 1, 'context': 1}",
@@ -631,7 +619,7 @@ def test_second_trainer_on_a_locked_workdir_is_refused(tmp_path, data_dir,
                                   eval__every_steps=0)
   first = subprocess.Popen(
       train_command(config_file, workdir), cwd=REPO,
-      env=subprocess_env(cache_dir), stdout=subprocess.DEVNULL,
+      env=testing.subprocess_env(cache_dir), stdout=subprocess.DEVNULL,
       stderr=subprocess.PIPE, text=True)
   lock = os.path.join(workdir, workdir_lib.LOCK_FILE)
   try:
@@ -642,7 +630,7 @@ def test_second_trainer_on_a_locked_workdir_is_refused(tmp_path, data_dir,
     first.send_signal(signal.SIGSTOP)   # alive, holding the lock
     second = subprocess.run(
         train_command(config_file, workdir), cwd=REPO,
-        env=subprocess_env(cache_dir), capture_output=True, text=True,
+        env=testing.subprocess_env(cache_dir), capture_output=True, text=True,
         timeout=300, check=False)
     assert second.returncode != 0
     assert f"in use by PID {first.pid}" in second.stderr
