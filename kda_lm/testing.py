@@ -28,6 +28,8 @@ import numpy as np
 from kda_lm import distributed
 from kda_lm.ops.kda import common, reference
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 @contextlib.contextmanager
 def most_optimizations_disabled(disabled: bool = True):
@@ -44,22 +46,19 @@ def most_optimizations_disabled(disabled: bool = True):
     jax.config.update("jax_disable_most_optimizations", previous)
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def subprocess_env(cache_dir: str | None = None, xla_flags: str = "",
-                   fast_compile: bool = True) -> dict[str, str]:
+def subprocess_env(cache_dir: str | None = None, xla_flags: str = ""
+                   ) -> dict[str, str]:
   """The environment of a test's Python subprocess (train.py, checks).
 
-  The repository on PYTHONPATH, CPU only, no CPU-collectives choice
-  inherited (multi-process runs pick gloo themselves).
+  The repository on PYTHONPATH, CPU only, most XLA optimizations skipped
+  (tiny shapes, where compilation dominates; as the tests' `fast_compile`
+  fixture), no CPU-collectives choice inherited (multi-process runs pick
+  gloo themselves).
 
   Args:
     cache_dir: a persistent compilation cache shared by the subprocesses
       (every compile cached), or None.
     xla_flags: appended to XLA_FLAGS (e.g. fake device counts).
-    fast_compile: skip most XLA optimizations (tiny shapes, where
-      compilation dominates; as the tests' `fast_compile` fixture).
 
   Returns:
     A copy of `os.environ` with those settings.
@@ -70,8 +69,7 @@ def subprocess_env(cache_dir: str | None = None, xla_flags: str = "",
   if cache_dir is not None:
     env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-  if fast_compile:
-    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"
+  env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
   env.pop(distributed.CPU_COLLECTIVES_ENV, None)
   return env
