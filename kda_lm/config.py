@@ -20,6 +20,7 @@ import ml_collections
 import numpy as np
 
 from kda_lm.layers import kda, mla, moe
+from kda_lm.ops import gmm
 from kda_lm.ops.kda import api as kda_api
 
 LAYER_KINDS = {"K": "kda", "M": "mla"}
@@ -200,6 +201,10 @@ class ModelConfig:
   # chunk_kda chunk length (tokens); None = the op's choice per
   # implementation and backend (32 for xla on CPU, 64 otherwise).
   kda_chunk_size: Optional[int] = None
+  # Routed experts' grouped matmul (`kda_lm/ops/gmm.py`): auto (megablox
+  # on TPU, xla elsewhere) | xla | megablox | ragged_dot (dense over the
+  # experts: the reference).
+  moe_impl: str = "auto"
   # KDA gates: "ling" (full-rank, bounded gate in (-5, 0)) or "kimi"
   # (low-rank, softplus gate).
   kda_gate: str = "ling"
@@ -259,7 +264,12 @@ class ModelConfig:
     if self.kda_gate not in kda.GATES:
       raise ValueError(f"model.kda_gate must be one of {kda.GATES}, got "
                        f"{self.kda_gate!r}.")
-    kda_api.resolve_impl(self.kda_impl)
+    if self.kda_impl not in kda_api.IMPLS:
+      raise ValueError(f"model.kda_impl must be one of {kda_api.IMPLS}, "
+                       f"got {self.kda_impl!r}.")
+    if self.moe_impl not in gmm.IMPLS:
+      raise ValueError(f"model.moe_impl must be one of {gmm.IMPLS}, got "
+                       f"{self.moe_impl!r}.")
     mla.check_dims(num_heads=self.mla_num_heads,
                    q_lora_rank=self.q_lora_rank,
                    kv_lora_rank=self.kv_lora_rank,

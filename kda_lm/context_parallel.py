@@ -1,15 +1,24 @@
-"""Context parallelism: one packed row sharded over devices along T.
+"""Sharded calls: kernels and sorts per device, and context parallelism.
 
 Shape glossary: B batch rows, T tokens per row (global), H heads, K key dim,
 V value dim, D channels; `n` shards on the `context` mesh axis, `T/n` tokens
 per shard.
 
 The model runs under `jit` (GSPMD) with the batch sharded
-`P((data, fsdp), context)`; token-wise layers need nothing. The three
-sequence-mixing cores run here inside `jax.shard_map` on their local slice of
-T and exchange what crosses a shard boundary:
+`P((data, fsdp), context)` and the mesh ambient (`jax.set_mesh`). GSPMD
+partitions token-wise XLA work by itself, but it cannot partition a Pallas
+call (Mosaic refuses; a Triton call is replicated) nor a sort of all tokens
+(it replicates it). So, on every mesh, whatever its sizes:
 
-* KDA (`chunk_kda`): per head the recurrence over a shard is affine in the
+* KDA (`chunk_kda`) runs inside `jax.shard_map` over the row axes (`data`,
+  `fsdp`) and `context`; each device calls the op on its own rows.
+* The MoE dispatch (`token_map`) sorts and multiplies each device's own
+  tokens.
+
+With a `context` axis of size n > 1 (context parallelism) the
+sequence-mixing cores also exchange what crosses a shard boundary:
+
+* KDA: per head the recurrence over a shard is affine in the
   state entering it, `S_out = M S_in + C`. One local pass with values
   `[v, 0]` (width V + K) and initial state `[0, I]` gives the zero-state
   output `o0` and final state `C`, plus `P_t = scale q_t^T M_t` and `M`.
@@ -23,13 +32,10 @@ T and exchange what crosses a shard boundary:
   half and for the second half of shard n - 1 - i (queries and outputs
   swapped by `ppermute`), which balances the causal work; the core masks
   by global positions.
-* The MoE dispatch (`token_map`) is token-wise but sorts all tokens by
-  expert, which GSPMD would replicate on every shard: it runs per shard.
 
 `kda_lm/segments.py` stays the one definition of a segment start; the state
 exchange applies its rule across shard boundaries (see `_keep_state`).
-Every function here does exactly what the single-device code does when the
-ambient mesh (`jax.set_mesh`) has no `context` axis or it has size 1.
+Outside `jax.set_mesh` every function here is the single-device code.
 """
 
 from typing import Any, Callable, Optional, Sequence
@@ -50,6 +56,11 @@ def _mesh() -> Optional[Any]:
   return None if mesh.empty else mesh
 
 
+def under_mesh() -> bool:
+  """Whether a device mesh is ambient (the sharded calls are needed)."""
+  return _mesh() is not None
+
+
 def context_size() -> int:
   """Shards along T: the ambient mesh's `context` size (1 without one)."""
   mesh = _mesh()
@@ -65,21 +76,28 @@ def _batch_axes(mesh) -> tuple[str, ...]:
 
 
 def check_shape(B: int, T: int, what: str) -> int:
-  """Checks that [B,T] rows can be sharded; returns the shard count n.
+  """Checks that [B,T] rows can be sharded over the ambient mesh.
+
+  Returns:
+    The shard count n along T (1 without a mesh or a `context` axis).
 
   Raises:
-    ValueError: T is not a multiple of the `context` size, or B of the
-      devices the rows are sharded over.
+    ValueError: a mesh with axes other than Auto, or with an axis this
+      module does not know, T not a multiple of the `context` size, or B
+      of the devices the rows are sharded over.
   """
-  n = context_size()
-  if n == 1:
-    return n
   mesh = _mesh()
+  if mesh is None:
+    return 1
   auto = jax.sharding.AxisType.Auto
   if any(t != auto for t in mesh.axis_types):
-    raise ValueError(f"{what} under context parallelism needs a mesh of "
-                     f"Auto axes (`sharding.make_mesh`), got "
-                     f"{mesh.axis_types}.")
+    raise ValueError(f"{what} on a device mesh needs Auto axes "
+                     f"(`sharding.make_mesh`), got {mesh.axis_types}.")
+  unknown = [a for a in mesh.axis_names if a not in sharding.AXES]
+  if unknown:
+    raise ValueError(f"{what}: the mesh axis {unknown[0]!r} is none of "
+                     f"{sharding.AXES}; the model cannot shard over it.")
+  n = context_size()
   rows = 1
   for axis in _batch_axes(mesh):
     rows *= int(mesh.shape[axis])
@@ -87,19 +105,24 @@ def check_shape(B: int, T: int, what: str) -> int:
     raise ValueError(f"{what} under context parallelism: T = {T} tokens "
                      f"per row is not a multiple of mesh.context = {n}.")
   if B % rows:
-    raise ValueError(f"{what} under context parallelism: B = {B} rows is "
-                     f"not a multiple of the {rows} data x fsdp devices.")
+    raise ValueError(f"{what} on the device mesh: B = {B} rows is not a "
+                     f"multiple of the {rows} data x fsdp devices.")
   return n
+
+
+def _token_axes(mesh) -> tuple[str, ...]:
+  return (CONTEXT_AXIS,) if CONTEXT_AXIS in mesh.axis_names else ()
 
 
 def _row_axes() -> tuple[str, ...]:
   """The mesh axes a [B,T,...] row array varies over inside `shard_map`."""
-  return _batch_axes(_mesh()) + (CONTEXT_AXIS,)
+  mesh = _mesh()
+  return _batch_axes(mesh) + _token_axes(mesh)
 
 
 def _row_spec(mesh) -> P:
   """[B,T,...] arrays: rows over (data, fsdp), tokens over context."""
-  return P(_batch_axes(mesh) or None, CONTEXT_AXIS)
+  return P(_batch_axes(mesh) or None, _token_axes(mesh) or None)
 
 
 def _shard_map(fn, in_specs, out_specs, check_vma=True):
@@ -176,48 +199,95 @@ def _kda_local(q, k, v, g, beta, ids, h0, A_log, dt_bias, *, op_kwargs,
 
 
 def _check_kda(B, T, cu_seqlens, impl):
-  """Refuses what the sharded op cannot do; returns the concrete impl.
+  """Refuses what the sharded op cannot do.
+
+  Returns:
+    (n shards along T, the concrete impl).
 
   Raises:
-    ValueError: `cu_seqlens`, impl "reference", or a [B,T] that
-      `check_shape` refuses.
+    ValueError: `cu_seqlens` on a mesh, impl "reference" under context
+      parallelism, or a [B,T] that `check_shape` refuses.
   """
   if cu_seqlens is not None:
-    raise ValueError("chunk_kda under context parallelism takes "
-                     "segment_ids, not cu_seqlens.")
-  check_shape(B, T, "chunk_kda")
+    raise ValueError("chunk_kda on a device mesh takes segment_ids, not "
+                     "cu_seqlens (rows are sharded over devices).")
+  n = check_shape(B, T, "chunk_kda")
   impl = api.resolve_impl(impl)
-  if impl == "reference":
+  if impl == "reference" and n > 1:
     raise ValueError("chunk_kda under context parallelism needs impl "
                      "'xla', 'pallas' or 'auto' (the local passes reuse "
                      "the chunked op), not 'reference'.")
-  return impl
+  return n, impl
+
+
+def _kda_rows(q, k, v, g, beta, optional, output_final_state, op_kwargs,
+              check_vma):
+  """`ops.chunk_kda` on each device's own rows (no `context` split).
+
+  Args:
+    q, k, v, g, beta: the op's [B,T,...] inputs (global).
+    optional: the op's optional arrays that were given, by keyword
+      (`segment_ids`, `initial_state`, `A_log`, `dt_bias`).
+    output_final_state: also return the [B,H,K,V] final state.
+    op_kwargs: the op's other keyword arguments.
+    check_vma: shard_map's varying-axes check (off for Pallas calls).
+
+  Returns:
+    As `ops.chunk_kda`.
+  """
+  mesh = _mesh()
+  rows, batch = _row_spec(mesh), P(_batch_axes(mesh) or None)
+  specs = {"segment_ids": rows, "initial_state": batch, "A_log": P(),
+           "dt_bias": P()}
+
+  def local(q, k, v, g, beta, optional):
+    o, final = ops.chunk_kda(q, k, v, g, beta, **optional,
+                             output_final_state=output_final_state,
+                             **op_kwargs)
+    return (o, final) if output_final_state else o
+
+  out_specs = (rows, batch) if output_final_state else rows
+  out = _shard_map(local, (rows,) * 5 + ({key: specs[key] for key in
+                                          optional},),
+                   out_specs, check_vma)(q, k, v, g, beta, optional)
+  return out if output_final_state else (out, None)
 
 
 def chunk_kda(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
               output_final_state=False, cu_seqlens=None, A_log=None,
               dt_bias=None, **op_kwargs):
-  """`ops.chunk_kda`, exact under context parallelism.
+  """`ops.chunk_kda` on the ambient device mesh.
 
   Same arguments and results as `kda_lm.ops.chunk_kda` (the other keyword
-  arguments pass through). Without a `context` axis of size > 1 in the
-  ambient mesh it is that function.
+  arguments pass through). Outside `jax.set_mesh` it is that function; on
+  a mesh each device runs the op on its rows inside `jax.shard_map`, and a
+  `context` axis of size > 1 splits the rows along T, exactly.
 
   Raises:
-    ValueError: under context parallelism, `cu_seqlens` (documents are
-      rows, not shards: use `segment_ids`), or a [B,T] that `check_shape`
-      refuses; the op's own checks otherwise.
+    ValueError: on a mesh, `cu_seqlens` (use `segment_ids`), or a [B,T]
+      that `check_shape` refuses; under context parallelism impl
+      "reference"; the op's own checks otherwise.
   """
-  kwargs = dict(segment_ids=segment_ids, initial_state=initial_state,
-                output_final_state=output_final_state, A_log=A_log,
-                dt_bias=dt_bias, **op_kwargs)
-  if context_size() == 1:
-    return ops.chunk_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, **kwargs)
+  if not under_mesh():
+    return ops.chunk_kda(
+        q, k, v, g, beta, segment_ids=segment_ids,
+        initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, **op_kwargs)
   B, T, H, K = q.shape
-  impl = _check_kda(B, T, cu_seqlens, op_kwargs.get("impl", "auto"))
+  n, impl = _check_kda(B, T, cu_seqlens, op_kwargs.get("impl", "auto"))
   # Pallas calls declare outputs without varying-axis types: no vma check
   # (shard_map then psums the cotangents of replicated inputs itself).
   check_vma = impl != "pallas"
+  if n == 1:
+    # The op's scans start from an unvarying zero state when none is
+    # given: no vma check here (cotangents of replicated inputs are still
+    # summed over the devices).
+    check_vma = False
+    optional = dict(segment_ids=segment_ids, initial_state=initial_state,
+                    A_log=A_log, dt_bias=dt_bias)
+    return _kda_rows(q, k, v, g, beta,
+                     {k_: a for k_, a in optional.items() if a is not None},
+                     output_final_state, op_kwargs, check_vma)
   V = v.shape[-1]
   ids = (jnp.ones((B, T), jnp.int32) if segment_ids is None
          else segment_ids.astype(jnp.int32))
@@ -336,23 +406,30 @@ def swap_with_mirror(x: jax.Array, n: int) -> jax.Array:
 
 
 def token_map(fn: Callable[..., jax.Array], tokens: Sequence[jax.Array],
-              replicated: Sequence[jax.Array]) -> jax.Array:
-  """Runs a token-wise `fn` on each shard's tokens.
+              replicated: Sequence[jax.Array], check_vma: bool = True
+              ) -> jax.Array:
+  """Runs a token-wise `fn` on each device's tokens (`fn` itself outside
+  a mesh).
 
-  For computations GSPMD would not partition along T (a sort of all the
-  tokens, as in the MoE dispatch), so that each shard works on its own.
+  For computations GSPMD would not partition (a sort of all the tokens and
+  the grouped-matmul kernels of the MoE dispatch), so that each device
+  works on its own rows and its own slice of T.
 
   Args:
     fn: `fn(*tokens, *replicated)` on the shard's [B,T/n,...] slices,
       returning [B,T/n,...].
     tokens: [B,T,...] arrays (global).
     replicated: arrays every shard receives whole (parameters).
+    check_vma: shard_map's varying-axes check; False when `fn` makes a
+      Pallas call (its outputs carry no varying-axes type).
 
   Returns:
     [B,T,...] (global).
   """
+  if not under_mesh():
+    return fn(*tokens, *replicated)
   B, T = tokens[0].shape[:2]
   check_shape(B, T, "A token-wise layer")
   rows = _row_spec(_mesh())
   specs = (rows,) * len(tokens) + (P(),) * len(replicated)
-  return _shard_map(fn, specs, rows)(*tokens, *replicated)
+  return _shard_map(fn, specs, rows, check_vma)(*tokens, *replicated)

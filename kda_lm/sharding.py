@@ -17,6 +17,7 @@ P = jax.sharding.PartitionSpec
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
 CONTEXT_AXIS = "context"
+AXES = (DATA_AXIS, FSDP_AXIS, CONTEXT_AXIS)
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 

@@ -291,10 +291,9 @@ def _non_finite_error(step: int, values: Mapping[str, float],
 
 def _under_mesh(mesh: jax.sharding.Mesh, fn: Callable[..., Any]
                 ) -> Callable[..., Any]:
-  """`fn` traced and run under `jax.set_mesh(mesh)` when the mesh has a
-  `context` axis > 1 (the layers find it there); else `fn` itself."""
-  if mesh.shape[sharding.CONTEXT_AXIS] == 1:
-    return fn
+  """`fn` traced and run under `jax.set_mesh(mesh)`: the layers find the
+  mesh there and run their kernels and sorts per device
+  (`kda_lm.context_parallel`)."""
 
   @functools.wraps(fn)
   def call(*args, **kwargs):

@@ -42,6 +42,7 @@ MEANING_KEYS = ("model.", "data.")
 # its checksum, `data.tokenizer_sha256`, a meaning key: another file, or a
 # rebuilt one, is refused.
 SAFE_KEYS = ("data.data_dir", "data.tokenizer_path", "model.kda_impl",
+             "model.moe_impl",
              "model.kda_chunk_size", "model.compute_dtype")
 
 

@@ -14,12 +14,16 @@ F expert hidden width, G groups.
 
 Dispatch is capacity-free (no token is dropped): the M*A (token, expert)
 pairs are sorted by expert, the tokens gathered into that order, and every
-expert's SwiGLU runs as a ragged matmul (`jax.lax.ragged_dot` with per-expert
+expert's SwiGLU runs as a grouped matmul (`kda_lm.ops.gmm`, per-expert
 group sizes) over its contiguous slice; the outputs are un-permuted and
 summed with their weights. Compute is that of M*A expert applications
-(`6*M*A*D*F` FLOPs for the routed experts, not `6*M*E*D*F`); memory is
-`M*A*(D + 3F)` activations for the gathered inputs and hidden states plus
-the `[M,E]` scores.
+(`6*M*A*D*F` forward FLOPs for the routed experts, not `6*M*E*D*F`, plus
+at most E - 1 partial row tiles per matmul); memory is `M*A*(D + 3F)`
+activations for the gathered inputs and hidden states plus the `[M,E]`
+scores. Under a device mesh the sort and the grouped matmuls run inside
+`jax.shard_map`, each device on its own tokens
+(`context_parallel.token_map`): GSPMD can partition neither a global sort
+nor a Pallas kernel.
 
 The selection bias `e_score_correction_bias [E]` is a float32 parameter that
 gradients never reach (`stop_gradient`); the training step moves it with
@@ -28,6 +32,7 @@ gradients never reach (`stop_gradient`); the training step moves it with
 experts and lowering over-loaded ones.
 """
 
+import functools
 from typing import Optional
 
 import haiku as hk
@@ -36,6 +41,7 @@ import jax.numpy as jnp
 
 from kda_lm import context_parallel
 from kda_lm.layers import mlp
+from kda_lm.ops import gmm
 
 BIAS_NAME = "e_score_correction_bias"
 
@@ -153,8 +159,9 @@ def load_metrics(expert_load: jax.Array) -> dict[str, jax.Array]:
 
 def dispatch_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
                     w_gate_EDF: jax.Array, w_up_EDF: jax.Array,
-                    w_down_EFD: jax.Array) -> jax.Array:
-  """`sum_j w[n,j] SwiGLU_{idx[n,j]}(x[n])` by sort + ragged matmul.
+                    w_down_EFD: jax.Array, *, impl: str = "auto"
+                    ) -> jax.Array:
+  """`sum_j w[n,j] SwiGLU_{idx[n,j]}(x[n])` by sort + grouped matmul.
 
   Args:
     x_MD: [M,D] tokens.
@@ -162,6 +169,7 @@ def dispatch_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
     w: [M,A] combine weights.
     w_gate_EDF, w_up_EDF: [E,D,F] expert input weights.
     w_down_EFD: [E,F,D] expert output weights.
+    impl: the grouped matmul's implementation (`kda_lm.ops.gmm`).
 
   Returns:
     [M,D] in `x_MD`'s dtype.
@@ -174,9 +182,9 @@ def dispatch_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
   sizes = jnp.bincount(flat, length=E).astype(jnp.int32)    # [E]
   xs = x_MD[token]                                           # [M*A,D]
   dt = x_MD.dtype
-  h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate_EDF.astype(dt), sizes)) * (
-      jax.lax.ragged_dot(xs, w_up_EDF.astype(dt), sizes))
-  out = jax.lax.ragged_dot(h, w_down_EFD.astype(dt), sizes)  # [M*A,D]
+  mm = functools.partial(gmm.gmm, group_sizes=sizes, impl=impl)
+  h = jax.nn.silu(mm(xs, w_gate_EDF.astype(dt))) * mm(xs, w_up_EDF.astype(dt))
+  out = mm(h, w_down_EFD.astype(dt))                         # [M*A,D]
   inverse = jnp.zeros_like(order).at[order].set(
       jnp.arange(order.shape[0], dtype=order.dtype))
   out = out[inverse].reshape(M, A, -1)
@@ -184,22 +192,23 @@ def dispatch_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
                     w.astype(jnp.float32)).astype(dt)
 
 
-def _dispatch(x, idx, w, weights):
-  """`dispatch_swiglu` of `x` ([B,T,D] or [M,D]): [M,D]. Under context
-  parallelism each shard sorts and runs only its own tokens."""
+def _dispatch(x, idx, w, weights, impl):
+  """`dispatch_swiglu` of `x` ([B,T,D] or [M,D]): [M,D]. Under a device
+  mesh each device sorts and runs only its own tokens."""
   D, A = x.shape[-1], idx.shape[-1]
-  if x.ndim != 3 or context_parallel.context_size() == 1:
-    return dispatch_swiglu(x.reshape(-1, D), idx, w, *weights)
+  if x.ndim != 3 or not context_parallel.under_mesh():
+    return dispatch_swiglu(x.reshape(-1, D), idx, w, *weights, impl=impl)
   B, T = x.shape[:2]
 
   def local(x_BTD, idx_BTA, w_BTA, *weights):
     b, t = x_BTD.shape[:2]
     return dispatch_swiglu(x_BTD.reshape(-1, D), idx_BTA.reshape(-1, A),
-                           w_BTA.reshape(-1, A), *weights).reshape(b, t, D)
+                           w_BTA.reshape(-1, A), *weights,
+                           impl=impl).reshape(b, t, D)
 
   return context_parallel.token_map(
-      local, [x, idx.reshape(B, T, A), w.reshape(B, T, A)],
-      list(weights)).reshape(-1, D)
+      local, [x, idx.reshape(B, T, A), w.reshape(B, T, A)], list(weights),
+      check_vma=gmm.resolve_impl(impl) != "megablox").reshape(-1, D)
 
 
 class MoE(hk.Module):
@@ -209,7 +218,7 @@ class MoE(hk.Module):
                intermediate_size: int, *, num_shared_experts: int = 1,
                routed_scaling_factor: float = 1.0, n_group: int = 1,
                topk_group: int = 1, param_dtype=jnp.float32,
-               name: Optional[str] = None):
+               impl: str = "auto", name: Optional[str] = None):
     """Initialises the module.
 
     Args:
@@ -223,6 +232,7 @@ class MoE(hk.Module):
       topk_group: groups each token may pick experts from.
       param_dtype: dtype of the expert weights (router weight and bias are
         float32).
+      impl: the routed experts' grouped matmul (`kda_lm.ops.gmm`).
       name: module name.
 
     Raises:
@@ -239,6 +249,7 @@ class MoE(hk.Module):
     self.routing = dict(n_group=n_group, topk_group=topk_group,
                         routed_scaling_factor=routed_scaling_factor)
     self.param_dtype = param_dtype
+    self.impl = impl
 
   def __call__(self, x: jax.Array, valid: Optional[jax.Array] = None
                ) -> tuple[jax.Array, jax.Array]:
@@ -267,7 +278,7 @@ class MoE(hk.Module):
     w_gate = hk.get_parameter("gate_proj", [E, D, F], pdt, init=init_in)
     w_up = hk.get_parameter("up_proj", [E, D, F], pdt, init=init_in)
     w_down = hk.get_parameter("down_proj", [E, F, D], pdt, init=init_out)
-    y = _dispatch(x, idx, w, (w_gate, w_up, w_down))
+    y = _dispatch(x, idx, w, (w_gate, w_up, w_down), self.impl)
     if self.num_shared:
       y = y + mlp.SwiGLU(self.num_shared * F, param_dtype=pdt,
                          name="shared_experts")(x_MD)

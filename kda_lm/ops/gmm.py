@@ -1,0 +1,261 @@
+r"""Grouped matmul: rows in contiguous groups, each times its own matrix.
+
+Shape glossary: M rows (token, expert) pairs sorted by expert, K input
+width, N output width, G groups (experts), `tm` rows per tile.
+
+  gmm(lhs [M,K], rhs [G,K,N], group_sizes [G]) -> out [M,N]
+  out[r] = lhs[r] @ rhs[g]  for r in [start_g, start_g + group_sizes[g])
+  out[r] = 0                for r >= sum(group_sizes)
+
+This is `jax.lax.ragged_dot`'s contract, but compiled to the work the
+groups hold: `ragged_dot` lowers to a matmul over every group for every row
+on CPU and GPU (and its TPU gradient likewise), G times the useful FLOPs
+and a `[G,M,...]`-sized temporary. Implementations (`impl`):
+
+* "megablox": JAX's Pallas TPU kernels (`gmm` and, for the weight
+  gradient, `tgmm`, with JAX's own VJP); interpret mode on CPU.
+* "xla": the portable path. The rows are cut into tiles of `tm`; a work
+  item is one (tile, group) pair whose rows overlap, at most
+  `M/tm + G - 1` of them. A `fori_loop` over the items multiplies each
+  tile, masked to its group's rows, by its group's matrix, so FLOPs are
+  `2*tm*K*N` per item (the useful work plus at most G - 1 partial tiles)
+  and memory is that of the inputs and outputs. The VJP is the same loop:
+  `dlhs = gmm(dout, rhs^T)` and `drhs[g] += lhs_tile^T dout_tile`.
+* "ragged_dot": `jax.lax.ragged_dot` itself, the reference in tests and
+  benchmarks.
+* "auto": megablox on TPU, xla elsewhere.
+
+Every call with rows sharded over devices must run inside `jax.shard_map`
+(the MoE layer does): a Pallas call cannot be partitioned by GSPMD.
+"""
+
+import functools
+import importlib
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("auto", "xla", "megablox", "ragged_dot")
+DEFAULT_TILE_M = 128
+
+
+def resolve_impl(impl: str) -> str:
+  """`impl` as a concrete implementation (see the module docstring).
+
+  Raises:
+    ValueError: unknown `impl`.
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"Unknown grouped-matmul impl {impl!r}; expected one "
+                     f"of {IMPLS}.")
+  if impl == "auto":
+    return "megablox" if jax.default_backend() == "tpu" else "xla"
+  return impl
+
+
+def _check(lhs, rhs, group_sizes):
+  if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
+    raise ValueError(f"gmm takes lhs [M,K], rhs [G,K,N], group_sizes [G]; "
+                     f"got {lhs.shape}, {rhs.shape}, {group_sizes.shape}.")
+  if lhs.shape[1] != rhs.shape[1] or rhs.shape[0] != group_sizes.shape[0]:
+    raise ValueError(f"gmm: lhs [M,K] = {lhs.shape}, rhs [G,K,N] = "
+                     f"{rhs.shape} and group_sizes [G] = "
+                     f"{group_sizes.shape} disagree.")
+  if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise ValueError(f"gmm: group_sizes must be integers, got "
+                     f"{group_sizes.dtype}.")
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+        impl: str = "auto", tile_m: Optional[int] = None) -> jax.Array:
+  """`lhs`'s row groups times their matrices (see the module docstring).
+
+  Args:
+    lhs: [M,K] rows sorted by group.
+    rhs: [G,K,N] one matrix per group.
+    group_sizes: [G] int rows per group, summing to at most M.
+    impl: "auto", "xla", "megablox" or "ragged_dot".
+    tile_m: rows per tile (default 128, at most M rounded up to 8).
+
+  Returns:
+    [M,N] in `lhs`'s dtype (float32 accumulation).
+
+  Raises:
+    ValueError: shapes that disagree, or an unknown impl.
+  """
+  _check(lhs, rhs, group_sizes)
+  impl = resolve_impl(impl)
+  group_sizes = group_sizes.astype(jnp.int32)
+  # Inside `jax.shard_map` the matrices are usually the same on every
+  # device and the rows not: typed as varying here, so that their
+  # cotangent is summed over the devices by JAX's own transpose.
+  rhs = _varying_like(rhs.astype(lhs.dtype), lhs)
+  group_sizes = _varying_like(group_sizes, lhs)
+  M, K = lhs.shape
+  tm = tile_m or min(DEFAULT_TILE_M, -(-M // 8) * 8)
+  if impl == "ragged_dot":
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+  if impl == "megablox":
+    return _megablox(lhs, rhs, group_sizes, tm)
+  return _xla_gmm(lhs, rhs, group_sizes, tm)
+
+
+def _megablox(lhs, rhs, group_sizes, tm):
+  """JAX's TPU grouped matmul kernels (interpret mode on CPU)."""
+  _, K, N = rhs.shape
+  tiling = (tm, min(K, 512), min(N, 512))
+  return _megablox_call(lhs, rhs, group_sizes, tiling,
+                        jax.default_backend() == "cpu")
+
+
+def _megablox_kernels():
+  """The kernel module (the package's `gmm` attribute is the function)."""
+  return importlib.import_module(
+      "jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+def _megablox_rows(lhs, rhs, group_sizes, tiling, interpret, transpose):
+  """`gmm` on whole row tiles, rows past the groups zeroed (the kernel
+  leaves them unwritten)."""
+  M, tm = lhs.shape[0], tiling[0]
+  out = _megablox_kernels().gmm(
+      _pad_rows(lhs, -(-M // tm) * tm), rhs, group_sizes, lhs.dtype, tiling,
+      transpose_rhs=transpose, interpret=interpret)[:M]
+  used = jnp.arange(M) < jnp.sum(group_sizes)
+  return jnp.where(used[:, None], out, jnp.zeros((), out.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _megablox_call(lhs, rhs, group_sizes, tiling, interpret):
+  return _megablox_rows(lhs, rhs, group_sizes, tiling, interpret, False)
+
+
+def _megablox_fwd(lhs, rhs, group_sizes, tiling, interpret):
+  out = _megablox_call(lhs, rhs, group_sizes, tiling, interpret)
+  return out, (lhs, rhs, group_sizes)
+
+
+def _megablox_bwd(tiling, interpret, residuals, dout):
+  lhs, rhs, group_sizes = residuals
+  dlhs = _megablox_rows(dout, rhs, group_sizes, tiling, interpret, True)
+  M, tm = lhs.shape[0], tiling[0]
+  Mp = -(-M // tm) * tm
+  drhs = _megablox_kernels().tgmm(
+      _pad_rows(lhs, Mp).swapaxes(0, 1), _pad_rows(dout, Mp), group_sizes,
+      rhs.dtype, tiling, num_actual_groups=rhs.shape[0],
+      interpret=interpret)
+  return dlhs, drhs, None
+
+
+_megablox_call.defvjp(_megablox_fwd, _megablox_bwd)
+
+
+# ---------------------------------------------------------------------------
+# The XLA path.
+
+
+def _work_items(group_sizes, num_tiles, tm):
+  """The (tile, group) pairs whose rows overlap, in row order.
+
+  Returns:
+    (tile [I], group [I], valid [I] bool, starts [G], ends [G]) with
+    I = num_tiles + G - 1 static; items past the real count are invalid.
+  """
+  G = group_sizes.shape[0]
+  ends = jnp.cumsum(group_sizes)
+  starts = ends - group_sizes
+  first = starts // tm
+  count = jnp.where(group_sizes > 0, (ends - 1) // tm - first + 1, 0)
+  item_end = jnp.cumsum(count)
+  item = jnp.arange(num_tiles + G - 1, dtype=jnp.int32)
+  group = jnp.searchsorted(item_end, item, side="right").astype(jnp.int32)
+  valid = group < G
+  group = jnp.minimum(group, G - 1)
+  tile = first[group] + item - (item_end[group] - count[group])
+  return jnp.where(valid, tile, 0), group, valid, starts, ends
+
+
+def _tile_rows(x, items, i, tm):
+  """Item i's tile of `x` [Mp,...] masked to its group's rows; row offset."""
+  tile, group, valid, starts, ends = items
+  g = group[i]
+  r0 = tile[i] * tm
+  rows = r0 + jnp.arange(tm, dtype=jnp.int32)
+  mask = valid[i] & (rows >= starts[g]) & (rows < ends[g])
+  x_t = jax.lax.dynamic_slice_in_dim(x, r0, tm)
+  return jnp.where(mask[:, None], x_t, jnp.zeros((), x.dtype)), g, r0
+
+
+def _varying_like(x, *refs):
+  """`x` typed as varying over the mesh axes `refs` vary over (inside
+  `jax.shard_map`, a loop carry must have its body's output type)."""
+  def varying(a):
+    kind = getattr(jax.typeof(a), "manual_axis_type", None)
+    return set(kind.varying) if kind is not None else set()
+
+  axes = set().union(*map(varying, refs)) - varying(x)
+  return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
+
+
+def _pad_rows(x, Mp):
+  return jnp.pad(x, ((0, Mp - x.shape[0]), (0, 0)))
+
+
+def _loop_gmm(lhs, rhs, group_sizes, tm):
+  """out [M,N] float32 by the loop over work items."""
+  M = lhs.shape[0]
+  Mp = -(-M // tm) * tm
+  items = _work_items(group_sizes, Mp // tm, tm)
+  x = _pad_rows(lhs, Mp)
+
+  def body(i, out):
+    x_t, g, r0 = _tile_rows(x, items, i, tm)
+    y = jnp.dot(x_t, rhs[g], preferred_element_type=jnp.float32)
+    cur = jax.lax.dynamic_slice_in_dim(out, r0, tm)
+    return jax.lax.dynamic_update_slice_in_dim(out, cur + y, r0, 0)
+
+  out = _varying_like(jnp.zeros((Mp, rhs.shape[2]), jnp.float32), lhs, rhs,
+                      group_sizes)
+  out = jax.lax.fori_loop(0, items[0].shape[0], body, out)
+  return out[:M]
+
+
+def _loop_weight_grad(lhs, dout, group_sizes, num_groups, tm):
+  """drhs [G,K,N] float32: sum over items of `lhs_tile^T dout_tile`."""
+  M = lhs.shape[0]
+  Mp = -(-M // tm) * tm
+  items = _work_items(group_sizes, Mp // tm, tm)
+  x, dy = _pad_rows(lhs, Mp), _pad_rows(dout, Mp)
+
+  def body(i, acc):
+    x_t, g, r0 = _tile_rows(x, items, i, tm)
+    dy_t = jax.lax.dynamic_slice_in_dim(dy, r0, tm)
+    d = jax.lax.dot_general(x_t, dy_t, (((0,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return acc.at[g].add(d)
+
+  acc = _varying_like(
+      jnp.zeros((num_groups, lhs.shape[1], dout.shape[1]), jnp.float32),
+      lhs, dout, group_sizes)
+  return jax.lax.fori_loop(0, items[0].shape[0], body, acc)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _xla_gmm(lhs, rhs, group_sizes, tm):
+  return _loop_gmm(lhs, rhs, group_sizes, tm).astype(lhs.dtype)
+
+
+def _xla_gmm_fwd(lhs, rhs, group_sizes, tm):
+  return _xla_gmm(lhs, rhs, group_sizes, tm), (lhs, rhs, group_sizes)
+
+
+def _xla_gmm_bwd(tm, residuals, dout):
+  lhs, rhs, group_sizes = residuals
+  dlhs = _loop_gmm(dout, jnp.swapaxes(rhs, 1, 2), group_sizes, tm)
+  drhs = _loop_weight_grad(lhs, dout, group_sizes, rhs.shape[0], tm)
+  # Rows past the groups get no gradient (ragged_dot's rule as well).
+  return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None
+
+
+_xla_gmm.defvjp(_xla_gmm_fwd, _xla_gmm_bwd)

@@ -1,0 +1,124 @@
+"""Multi-device training-step checks, run in a subprocess with 4 fake CPU
+devices by `mesh_test.py` (fake devices must be set before JAX starts).
+Prints one JSON object of measured relative errors.
+
+The ling3_tiny model (KKKM, MoE on layers 1-3) with the Pallas KDA kernels
+and the megablox grouped matmul in interpret mode, and with the XLA paths:
+one training step's loss and gradients under fsdp=4, data=4 and
+data=2 x fsdp=2 against the same step without a mesh; and, under fsdp=4,
+each document of a packed row against the logits it gets alone.
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=4")
+
+import kda_lm  # noqa: E402,F401  (XLA flags)  # isort: skip
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+
+from configs import ling3_tiny  # noqa: E402
+from kda_lm import model as model_lib  # noqa: E402
+from kda_lm import optimizer, segments, sharding, testing, training  # noqa
+from kda_lm.ops.kda import pallas  # noqa: E402
+
+B, T = 4, 128
+MESHES = {"fsdp4": (1, 4, 1), "data4": (4, 1, 1), "data2_fsdp2": (2, 2, 1)}
+
+
+def packed_batch():
+  """[4,128] rows of several documents, padding inside and at the end."""
+  rng = np.random.default_rng(0)
+  ids = np.zeros((B, T), np.int32)
+  ids[0, :40], ids[0, 40:90], ids[0, 90:128] = 1, 2, 3
+  ids[1, :128] = 1
+  ids[2, 5:60], ids[2, 70:71], ids[2, 71:120] = 1, 2, 3
+  ids[3, :64], ids[3, 64:100] = 1, 2
+  tokens = rng.integers(0, 32, (B, T)).astype(np.int32)
+  return {"inputs": tokens,
+          "targets": rng.integers(0, 32, (B, T)).astype(np.int32),
+          "segment_ids": ids,
+          "positions": np.asarray(segments.positions_from_segment_ids(
+              jnp.asarray(ids))),
+          "loss_mask": (ids > 0).astype(np.float32)}
+
+
+def model_config(kda_impl, moe_impl):
+  config = ling3_tiny.get_config().model
+  config.kda_impl, config.moe_impl = kda_impl, moe_impl
+  return config
+
+
+def mesh(shape):
+  data, fsdp, context = shape
+  return sharding.make_mesh(ml_collections.ConfigDict(
+      dict(data=data, fsdp=fsdp, context=context)))
+
+
+def step_errors(kda_impl, moe_impl):
+  """Loss and gradient errors of each mesh against no mesh."""
+  config = model_config(kda_impl, moe_impl)
+  model = model_lib.build(config)
+  tx, schedule = optimizer.make_optimizer(ling3_tiny.get_config().opt, 10)
+  state = training.make_init_fn(model, tx, T)(jax.random.PRNGKey(0))
+  loss_fn = training._loss_fn(model, model_lib.config_lib.ModelConfig
+                              .from_config(config))  # pylint: disable=protected-access
+  grad = jax.value_and_grad(loss_fn, has_aux=True)
+  batch = packed_batch()
+  (loss1, _), grads1 = jax.jit(grad)(state.params, batch)
+  out = {}
+  for name, shape in MESHES.items():
+    m = mesh(shape)
+    shardings = sharding.state_shardings(state.params, m)
+    params = jax.device_put(state.params, shardings)
+    rows = jax.device_put(batch, sharding.batch_sharding(m))
+    with jax.set_mesh(m):
+      (loss, _), grads = jax.jit(grad)(params, rows)
+    out[f"{kda_impl}_{moe_impl}_{name}"] = {
+        "loss": testing.rel_err(loss, loss1),
+        "grads": max(testing.rel_err(a, b) for a, b in zip(
+            jax.tree.leaves(grads), jax.tree.leaves(grads1)))}
+  return out
+
+
+def document_errors(kda_impl, moe_impl):
+  """Under fsdp=4: each document of the packed rows against itself alone
+  (one document per row, no mesh)."""
+  model = model_lib.build(model_config(kda_impl, moe_impl))
+  batch = packed_batch()
+  params = model.init(jax.random.PRNGKey(1), batch["inputs"][:1])
+  m = mesh(MESHES["fsdp4"])
+  with jax.set_mesh(m):
+    packed = jax.jit(model.apply)(
+        jax.device_put(params, sharding.state_shardings(params, m)),
+        batch["inputs"], batch["segment_ids"])
+  worst = 0.0
+  apply = jax.jit(model.apply)
+  for row in range(B):
+    ids = batch["segment_ids"][row]
+    for doc in set(ids[ids > 0].tolist()):
+      where = np.flatnonzero(ids == doc)
+      alone = apply(params, batch["inputs"][row, where][None])
+      worst = max(worst, testing.rel_err(packed[row, where], alone[0]))
+  return worst
+
+
+def main():
+  cases = [("xla", "xla"), ("pallas", "megablox")]
+  results = {}
+  for kda_impl, moe_impl in cases:
+    results.update(step_errors(kda_impl, moe_impl))
+    results[f"{kda_impl}_{moe_impl}_documents"] = document_errors(
+        kda_impl, moe_impl)
+  print(json.dumps(results))
+
+
+if __name__ == "__main__":
+  assert pallas.for_platform("cpu").interpret
+  assert jax.device_count() == 4, jax.devices()
+  sys.exit(main())
