@@ -28,7 +28,13 @@ A second table (`--moe_seq_lens`, empty = none) compares MoE feed-forwards
 with the dense model of equal active parameters: the dense SwiGLU
 (F = mlp_hidden_dim) vs `E` routed experts of width F/3, top-2, plus one
 shared expert (active width 3 x F/3 = F) after a first dense layer, for each
-`E` in `--moe_num_experts`.
+`E` in `--moe_num_experts` and each grouped-matmul implementation in
+`--moe_impls` (`ragged_dot`: dense over the experts, the layer before
+`kda_lm.ops.gmm`; `auto`: the XLA tile loop on CPU).
+
+A third table (`--tiny_rounds`, 0 = none) times the config's own model as
+configured (ling3_tiny: 8 experts, 4 rows of 128 tokens) with each of
+`--moe_impls`, alternating, `--tiny_rounds` rounds.
 """
 
 import json
@@ -65,9 +71,16 @@ _MOE_SEQ_LENS = flags.DEFINE_list(
     "Row lengths of the MoE vs dense table; empty = no MoE table.")
 _MOE_EXPERTS = flags.DEFINE_list("moe_num_experts", ["8", "32"],
                                  "Routed experts of the MoE rows.")
+_MOE_IMPLS = flags.DEFINE_list(
+    "moe_impls", ["ragged_dot", "auto"],
+    "Grouped-matmul implementations (model.moe_impl) of the MoE rows.")
+_TINY_ROUNDS = flags.DEFINE_integer(
+    "tiny_rounds", 2, "Alternating rounds of the config's own model with "
+    "each of --moe_impls; 0 = no such table.")
 _CHILD = flags.DEFINE_string(
     "child", None, "Internal: run one configuration given as JSON "
-    "{pattern, seq_len, chunk[, model]} and print its result as JSON.")
+    "{pattern, seq_len, chunk[, model, rows]} and print its result as "
+    "JSON.")
 
 
 def _batch(batch, seq_len, vocab, seed=0):
@@ -153,15 +166,17 @@ def _moe_overrides(num_experts: int) -> dict:
 
 
 def _run_child(pattern: str, seq_len: int, chunk: int,
-               overrides: dict | None = None) -> dict | str:
+               overrides: dict | None = None, rows: int | None = None
+               ) -> dict | str:
   """Runs one configuration in a subprocess; returns its result or why not."""
-  spec = dict(pattern=pattern, seq_len=seq_len, chunk=chunk)
+  spec = dict(pattern=pattern, seq_len=seq_len, chunk=chunk,
+              rows=rows or _ROWS.value)
   if overrides:
     spec["model"] = overrides
   spec = json.dumps(spec)
   argv = [sys.executable, "-m", "experiments.bench_model", f"--child={spec}"]
   argv += [a for a in sys.argv[1:] if a.startswith("--config")]
-  argv += [f"--rows={_ROWS.value}", f"--seconds={_SECONDS.value}",
+  argv += [f"--seconds={_SECONDS.value}",
            f"--min_steps={_MIN_STEPS.value}"]
   try:
     out = subprocess.run(argv, capture_output=True, text=True, check=False,
@@ -182,7 +197,7 @@ def main(argv):
     cfg = _config(spec["pattern"], spec["chunk"])
     cfg.update(spec.get("model", {}))
     result = bench(cfg, spec["seq_len"],
-                   rows=_ROWS.value, seconds=_SECONDS.value,
+                   rows=spec["rows"], seconds=_SECONDS.value,
                    min_steps=_MIN_STEPS.value)
     print(json.dumps(result), flush=True)
     return
@@ -208,6 +223,31 @@ def main(argv):
               f"| {r['rss_mib']:,.0f} |", flush=True)
   if _MOE_SEQ_LENS.value:
     _moe_table(base, chunks[0])
+  if _TINY_ROUNDS.value:
+    _tiny_table(base, chunks[0])
+
+
+def _tiny_table(base, chunk: int) -> None:
+  """The config's own model (its MoE) with each grouped matmul."""
+  rows, seq_len = _CONFIG.value.data.batch_size, _CONFIG.value.data.seq_len
+  keys = ("num_experts", "num_experts_per_tok", "num_shared_experts",
+          "moe_intermediate_size", "first_k_dense_replace")
+  model_keys = {k: base[k] for k in keys}
+  print(f"\nThe config's model as configured ({base.num_experts} experts, "
+        f"top-{base.num_experts_per_tok}), {rows} rows of {seq_len} tokens, "
+        f"{_TINY_ROUNDS.value} alternating rounds\n")
+  print("| round | moe_impl | step s | tokens/s | XLA MiB |")
+  print("| ---: | --- | ---: | ---: | ---: |", flush=True)
+  for round_ in range(1, _TINY_ROUNDS.value + 1):
+    for impl in _MOE_IMPLS.value:
+      r = _run_child(base.attention_pattern, seq_len, chunk,
+                     dict(model_keys, moe_impl=impl), rows)
+      if isinstance(r, str):
+        print(f"| {round_} | {impl} | {r} | | |", flush=True)
+        continue
+      print(f"| {round_} | {impl} | {r['step_s']:.4f} "
+            f"| {r['tokens_per_s']:,.0f} | {r['xla_mib']:,.0f} |",
+            flush=True)
 
 
 def _moe_table(base, chunk: int) -> None:
@@ -219,8 +259,9 @@ def _moe_table(base, chunk: int) -> None:
   print("| FFN | seq_len | params | step s | tokens/s | XLA MiB | RSS MiB |")
   print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
   rows = [(f"dense SwiGLU {base.mlp_hidden_dim}", {})]
-  rows += [(f"MoE {e} x {width}, top-2 + 1 shared", _moe_overrides(int(e)))
-           for e in _MOE_EXPERTS.value]
+  rows += [(f"MoE {e} x {width}, top-2 + 1 shared, {impl}",
+            dict(_moe_overrides(int(e)), moe_impl=impl))
+           for e in _MOE_EXPERTS.value for impl in _MOE_IMPLS.value]
   for name, overrides in rows:
     cfg = _config(pattern, chunk)
     cfg.update(overrides)

@@ -98,9 +98,28 @@ def batch_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
                                             CONTEXT_AXIS))
 
 
-def row_devices(mesh: jax.sharding.Mesh) -> int:
+def row_devices(mesh: Any) -> int:
   """Devices the batch rows are split over (`data` x `fsdp`)."""
   return int(mesh.shape[DATA_AXIS] * mesh.shape[FSDP_AXIS])
+
+
+def check_batch_shape(mesh: Any, batch_size: int, seq_len: int) -> None:
+  """Checks, before anything is traced, that batches of `batch_size` rows
+  of `seq_len` tokens can be sharded over `mesh`.
+
+  Raises:
+    ValueError: the rows do not divide over `data` x `fsdp`, or the tokens
+      over `context`.
+  """
+  rows = row_devices(mesh)
+  if batch_size % rows:
+    raise ValueError(f"config.data.batch_size {batch_size} is not a "
+                     f"multiple of the {rows} data x fsdp devices "
+                     f"(config.mesh).")
+  context = int(mesh.shape[CONTEXT_AXIS])
+  if seq_len % context:
+    raise ValueError(f"config.data.seq_len {seq_len} is not a multiple of "
+                     f"config.mesh.context = {context}.")
 
 
 def global_batch(batch: Mapping[str, np.ndarray],

@@ -319,14 +319,8 @@ class _Run:
                  jax.device_count(), jax.devices()[0].platform,
                  jax.process_count())
     self.mesh = sharding.make_mesh(cfg.mesh)
-    rows = sharding.row_devices(self.mesh)
-    if cfg.data.batch_size % rows:
-      raise ValueError(f"config.data.batch_size {cfg.data.batch_size} is "
-                       f"not a multiple of the {rows} data x fsdp devices.")
-    context = self.mesh.shape[sharding.CONTEXT_AXIS]
-    if cfg.data.seq_len % context:
-      raise ValueError(f"config.data.seq_len {cfg.data.seq_len} is not a "
-                       f"multiple of config.mesh.context = {context}.")
+    sharding.check_batch_shape(self.mesh, cfg.data.batch_size,
+                               cfg.data.seq_len)
     self._build_steps()
     # Process 0 builds the TFDS data; the others then read it.
     with distributed.main_process_first("kda_lm: data built"):

@@ -1,0 +1,243 @@
+r"""Deviceless compile of a full training step on multi-chip meshes.
+
+Compiles, on a CPU-only host, one training step (forward, gradient, AdamW
+update, the MoE selection-bias update) of Ling-3.0-tiny's widths
+(`configs/ling3.py:tiny`, cut to `--layers` layers of its pattern) with
+`kda_impl="auto"` and `moe_impl="auto"`, as a run on the target takes it,
+for each row: a target (TPU v5p `2x2x1`, 4 chips; a host of n H100s), a
+mesh and a batch. Each row prints per-device memory (arguments,
+temporaries), the compiled FLOPs per device (XLA's cost analysis; the GPU
+compiler reports none), and the analytic FLOPs per device:
+
+  6 x activated parameters x tokens / devices          (matmuls)
+  + 3 x causal MLA attention (2 H (K + V) per query-key pair)
+  + 3 x the KDA chunk core (intra-chunk pairs and state products)
+
+The check fails (exit 1) when a compile fails or, where XLA reports FLOPs,
+compiled / analytic exceeds `--max_ratio` (1.3). Run in the compile
+check's environment (libtpu, the CUDA plugin):
+
+  py="$(bash experiments/compile_check_env.sh)"
+  "$py" -m experiments.compile_mesh                       # the docs table
+  "$py" -m experiments.compile_mesh --seq_len=512 --layers=4   # CI's size
+
+A row is `target:mesh:B[:dense]`, e.g. `v5p:data=2,fsdp=2:4` or
+`h100x1:data=1:1:dense` (`dense`: `num_experts=0`, dense SwiGLU layers of
+the same active width, the reference for the MoE's memory).
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+from absl import app, flags  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
+from configs import ling3  # noqa: E402
+from kda_lm import model as model_lib  # noqa: E402
+from kda_lm import optimizer, sharding, training  # noqa: E402
+from kda_lm import config as config_lib  # noqa: E402
+from kda_lm.ops.kda import api as kda_api  # noqa: E402
+
+DEFAULT_ROWS = ["v5p:fsdp=4:4", "v5p:data=4:4", "v5p:data=2,fsdp=2:4",
+                "v5p:context=2,fsdp=2:4", "h100x4:fsdp=4:4",
+                "h100x4:data=2,fsdp=2:4", "h100x1:data=1:1",
+                "h100x1:data=1:1:dense"]
+_ROWS = flags.DEFINE_list("rows", DEFAULT_ROWS, "target:mesh:B[:dense].")
+_LAYERS = flags.DEFINE_integer("layers", 4, "Decoder layers (KKKM...).")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "T, tokens per row.")
+_MAX_RATIO = flags.DEFINE_float("max_ratio", 1.3,
+                                "Largest compiled / analytic FLOPs.")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+H100_SPEC = os.path.join(HERE, "targets", "h100_sxm.txtpb")
+TPU_TOPOLOGIES = {"v5p": "v5p:2x2x1"}
+GIB = 2.0 ** 30
+
+
+@dataclasses.dataclass
+class Row:
+  """One compiled training step."""
+  spec: str
+  args_gib: float = 0.0
+  temp_gib: float = 0.0
+  compiled_tflop: float = 0.0     # 0: the compiler reports none
+  analytic_tflop: float = 0.0
+  seconds: float = 0.0
+  problems: list = dataclasses.field(default_factory=list)
+
+
+def devices(target):
+  """Compile-only devices of `target` ("v5p", "h100x<n>")."""
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  if target in TPU_TOPOLOGIES:
+    return topologies.get_topology_desc(
+        topology_name=TPU_TOPOLOGIES[target], platform="tpu").devices
+  if target.startswith("h100x"):
+    with open(H100_SPEC) as f:
+      return topologies.get_topology_desc(
+          platform="cuda", target_config=f.read(),
+          topology=f"1x1x{int(target[5:])}").devices
+  raise ValueError(f"Unknown target {target!r}: v5p or h100x<n>.")
+
+
+def parse_mesh(text):
+  """"data=2,fsdp=2" -> a `config.mesh` ConfigDict (missing axes 1)."""
+  sizes = dict(data=1, fsdp=1, context=1)
+  for item in text.split(","):
+    name, value = item.split("=")
+    if name not in sizes:
+      raise ValueError(f"Unknown mesh axis {name!r} in {text!r}.")
+    sizes[name] = int(value)
+  return ml_collections.ConfigDict(sizes)
+
+
+def model_config(layers, dense=False):
+  """Ling-3.0-tiny's widths with `layers` layers of its pattern."""
+  m = ling3.model_config("tiny")
+  m.attention_pattern = m.attention_pattern[:layers - 1] + "M"
+  if dense:
+    m.num_experts = 0
+    m.mlp_hidden_dim = (m.num_experts_per_tok + m.num_shared_experts) * (
+        m.moe_intermediate_size)
+  return m
+
+
+def analytic_flops(m, B, T):
+  """Training FLOPs of one step (all devices): matmuls, MLA, KDA core."""
+  cfg = config_lib.ModelConfig.from_config(m)
+  activated = ling3.count_params(m)["activated"]
+  matmul = 6.0 * activated * B * T
+  pairs = B * T * (T + 1) / 2.0                 # causal query-key pairs
+  mla_layers = cfg.attention_pattern.count("M")
+  mla = 3.0 * mla_layers * pairs * 2 * cfg.mla_num_heads * (
+      cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+  H, K, V = cfg.num_heads, cfg.head_dim, cfg.kda_head_v_dim
+  C = kda_api.default_chunk_size("pallas")
+  # Per token and head: q k^T and k k^T over the chunk (causal half), the
+  # intra-chunk outputs, and the q S, k S and k^T v state products.
+  kda_token = 2 * (C / 2) * K * 2 + 2 * (C / 2) * V + 3 * 2 * K * V
+  kda = 3.0 * cfg.attention_pattern.count("K") * B * T * H * kda_token
+  return matmul + mla + kda
+
+
+@contextlib.contextmanager
+def backend(platform):
+  """JAX's default backend read as `platform` while tracing (impl "auto"
+  and the kernel options pick the target's paths)."""
+  real = jax.default_backend
+  jax.default_backend = lambda: platform
+  try:
+    yield
+  finally:
+    jax.default_backend = real
+
+
+def compile_step(m, mesh_config, devs, B, T, platform):
+  """The compiled training step: (compiled, seconds)."""
+  mesh = sharding.make_mesh(mesh_config, list(devs))
+  model = model_lib.build(m)
+  opt = ling3.get_config().opt
+  tx, schedule = optimizer.make_optimizer(opt, 100)
+  init = training.make_init_fn(model, tx, T)
+  with backend(platform):
+    abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
+  shardings = sharding.state_shardings(abstract, mesh)
+  state = sharding.with_shardings(abstract, shardings)
+  rows = sharding.batch_sharding(mesh)
+  tok = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=rows)
+  batch = dict(inputs=tok, targets=tok, segment_ids=tok, positions=tok,
+               loss_mask=jax.ShapeDtypeStruct((B, T), jnp.float32,
+                                              sharding=rows))
+  update = jax.jit(training.make_update_fn(model, tx, schedule, m),
+                   out_shardings=(shardings, sharding.replicated(mesh)),
+                   donate_argnums=0)
+  start = time.time()
+  with backend(platform), jax.set_mesh(mesh):
+    lowered = update.trace(state, batch).lower(
+        lowering_platforms=("cuda" if platform == "gpu" else "tpu",))
+  compiled = lowered.compile()
+  return compiled, time.time() - start
+
+
+def run_row(spec, layers, T):
+  target, mesh_text, b, *rest = spec.split(":")
+  dense = rest == ["dense"]
+  row = Row(spec)
+  m = model_config(layers, dense)
+  mesh_config = parse_mesh(mesh_text)
+  devs = devices(target)
+  count = mesh_config.data * mesh_config.fsdp * mesh_config.context
+  platform = "tpu" if target in TPU_TOPOLOGIES else "gpu"
+  row.analytic_tflop = analytic_flops(m, int(b), T) / count / 1e12
+  try:
+    compiled, row.seconds = compile_step(m, mesh_config, devs[:count],
+                                         int(b), T, platform)
+  except Exception as e:  # pylint: disable=broad-except
+    traceback.print_exc()
+    row.problems.append(f"{type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200]}")
+    return row
+  memory = compiled.memory_analysis()
+  row.args_gib = memory.argument_size_in_bytes / GIB
+  row.temp_gib = memory.temp_size_in_bytes / GIB
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+  row.compiled_tflop = float(cost.get("flops", 0.0)) / 1e12
+  return row
+
+
+def check(row, max_ratio):
+  if row.compiled_tflop and row.analytic_tflop:
+    ratio = row.compiled_tflop / row.analytic_tflop
+    if ratio > max_ratio:
+      row.problems.append(f"compiled/analytic FLOPs {ratio:.2f} > "
+                          f"{max_ratio}")
+  return row
+
+
+HEADER = ("| target:mesh:B | args GiB/dev | temp GiB/dev | compiled "
+          "TFLOP/dev | analytic TFLOP/dev | ratio | compile s | status |")
+
+
+def fmt(row):
+  ratio = (f"{row.compiled_tflop / row.analytic_tflop:.2f}"
+           if row.compiled_tflop else "-")
+  compiled = f"{row.compiled_tflop:.3f}" if row.compiled_tflop else "-"
+  status = "ok" if not row.problems else "FAIL: " + "; ".join(row.problems)
+  return (f"| {row.spec} | {row.args_gib:.2f} | {row.temp_gib:.2f} | "
+          f"{compiled} | {row.analytic_tflop:.3f} | {ratio} | "
+          f"{row.seconds:.0f} | {status} |")
+
+
+def main(argv):
+  del argv
+  m = model_config(_LAYERS.value)
+  print(f"jax {jax.__version__}; Ling-3.0-tiny widths, pattern "
+        f"{m.attention_pattern}, T={_SEQ_LEN.value}, kda_impl and "
+        f"moe_impl auto, {m.compute_dtype} activations", flush=True)
+  print(HEADER)
+  print("|" + "---|" * 8, flush=True)
+  rows = []
+  for spec in _ROWS.value:
+    row = check(run_row(spec, _LAYERS.value, _SEQ_LEN.value),
+                _MAX_RATIO.value)
+    print(fmt(row), flush=True)
+    rows.append(row)
+  bad = [r for r in rows if r.problems]
+  print(f"{len(rows)} compiled, {len(bad)} failed")
+  return 1 if bad or not rows else 0
+
+
+if __name__ == "__main__":
+  app.run(lambda argv: sys.exit(main(argv)))

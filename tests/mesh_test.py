@@ -1,0 +1,160 @@
+"""The training step on multi-device meshes: every kernel call and every
+token sort inside `jax.shard_map`, numbers equal to one device, clear
+errors for batches and meshes the model cannot shard.
+
+On CPU the Pallas kernels run in interpret mode, which GSPMD partitions
+like any XLA code: a kernel left outside `shard_map` works here and fails
+on a TPU ("Mosaic kernels cannot be automatically partitioned") or is
+replicated on a GPU. So the structure of the traced step is what guards
+it: `test_kernels_and_sorts_run_inside_shard_map` traces the step on
+abstract meshes (no devices needed). The numbers run in a subprocess with
+4 fake CPU devices (`mesh_checks.py`).
+"""
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import pytest
+
+from configs import ling3_tiny
+from kda_lm import context_parallel
+from kda_lm import model as model_lib
+from kda_lm import optimizer, sharding, testing, training
+
+REPO = testing.REPO
+CHECKS = os.path.join(REPO, "tests", "mesh_checks.py")
+TOL = 1e-5
+AUTO = jax.sharding.AxisType.Auto
+
+
+def abstract_mesh(data, fsdp, context):
+  return jax.sharding.AbstractMesh((data, fsdp, context), sharding.AXES,
+                                   axis_types=(AUTO,) * 3)
+
+
+def placements(jaxpr, inside=False, out=None):
+  """(primitive, inside a shard_map) for every pallas_call and sort."""
+  out = [] if out is None else out
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in ("pallas_call", "sort"):
+      out.append((name, inside))
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          sub = sub.jaxpr
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          placements(sub, inside or name == "shard_map", out)
+  return out
+
+
+def traced_step(kda_impl="pallas", moe_impl="megablox"):
+  """`make_jaxpr` of ling3_tiny's training step, for a given mesh."""
+  config = ling3_tiny.get_config()
+  config.model.kda_impl, config.model.moe_impl = kda_impl, moe_impl
+  model = model_lib.build(config.model)
+  tx, schedule = optimizer.make_optimizer(config.opt, 10)
+  update = training.make_update_fn(model, tx, schedule, config.model)
+  state = jax.eval_shape(training.make_init_fn(model, tx, 128),
+                         jax.random.PRNGKey(0))
+  tok = jax.ShapeDtypeStruct((4, 128), jnp.int32)
+  batch = dict(inputs=tok, targets=tok, segment_ids=tok, positions=tok,
+               loss_mask=jax.ShapeDtypeStruct((4, 128), jnp.float32))
+
+  def trace(mesh):
+    with jax.sharding.use_abstract_mesh(mesh):
+      return jax.make_jaxpr(update)(state, batch).jaxpr
+
+  return trace
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 1), (4, 1, 1), (2, 2, 1),
+                                   (1, 2, 2), (1, 1, 1)])
+def test_kernels_and_sorts_run_inside_shard_map(shape):
+  found = collections.Counter(placements(traced_step()(abstract_mesh(
+      *shape))))
+  # 3 KDA layers' forward and backward kernels, 3 MoE layers' grouped
+  # matmuls and their sorts: all of them inside shard_map.
+  assert found[("pallas_call", False)] == 0, found
+  assert found[("sort", False)] == 0, found
+  assert found[("pallas_call", True)] >= 3 * 2 + 3 * 3, found
+  assert found[("sort", True)] == 3, found
+
+
+def test_xla_paths_sort_inside_shard_map():
+  found = collections.Counter(placements(
+      traced_step("xla", "xla")(abstract_mesh(1, 4, 1))))
+  assert set(found) == {("sort", True)}, found
+
+
+def test_without_a_mesh_the_layers_call_the_ops_directly():
+  assert not context_parallel.under_mesh()
+  config = ling3_tiny.get_config().model
+  config.kda_impl, config.moe_impl = "pallas", "megablox"
+  model = model_lib.build(config)
+  tokens = jnp.zeros((2, 64), jnp.int32)
+  params = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
+  found = placements(jax.make_jaxpr(model.apply)(params, tokens,
+                                                 tokens + 1).jaxpr)
+  assert found and not any(inside for _, inside in found), found
+
+
+def test_sharded_step_equals_one_device():
+  result = subprocess.run([sys.executable, CHECKS], cwd=REPO,
+                          env=testing.subprocess_env(), capture_output=True,
+                          text=True, timeout=900, check=False)
+  assert result.returncode == 0, result.stderr[-4000:]
+  results = json.loads(result.stdout.strip().splitlines()[-1])
+  impls = ("xla_xla", "pallas_megablox")
+  meshes = ("fsdp4", "data4", "data2_fsdp2")
+  assert sorted(results) == sorted(
+      [f"{i}_{m}" for i in impls for m in meshes]
+      + [f"{i}_documents" for i in impls])
+  for impl in impls:
+    for mesh in meshes:
+      errors = results[f"{impl}_{mesh}"]
+      assert errors["loss"] <= TOL and errors["grads"] <= TOL, (
+          impl, mesh, errors)
+    # Each document of a packed row (fsdp=4) gets the logits it has alone.
+    assert results[f"{impl}_documents"] <= TOL, results
+
+
+def _apply_under(mesh, B, T=16):
+  cfg = ling3_tiny.get_config().model
+  model = model_lib.build(cfg)
+  tokens = jnp.zeros((B, T), jnp.int32)
+  params = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens[:1])
+  with jax.sharding.use_abstract_mesh(mesh):
+    jax.eval_shape(model.apply, params, tokens, tokens + 1)
+
+
+def test_batch_that_does_not_divide_over_the_mesh():
+  with pytest.raises(ValueError, match="B = 3 rows is not a multiple of the "
+                     "4 data x fsdp devices"):
+    _apply_under(abstract_mesh(2, 2, 1), 3)
+  with pytest.raises(ValueError, match="not a multiple of mesh.context"):
+    _apply_under(abstract_mesh(1, 1, 4), 2, T=18)
+
+
+def test_mesh_axis_the_model_cannot_shard():
+  mesh = jax.sharding.AbstractMesh((2, 2), ("data", "tensor"),
+                                   axis_types=(AUTO,) * 2)
+  with pytest.raises(ValueError, match="mesh axis 'tensor' is none of"):
+    _apply_under(mesh, 4)
+
+
+def test_batch_checked_against_the_mesh_before_tracing():
+  mesh = abstract_mesh(2, 2, 1)
+  sharding.check_batch_shape(mesh, 8, 128)
+  with pytest.raises(ValueError, match="config.data.batch_size 6 is not a "
+                     "multiple of the 4 data x fsdp devices"):
+    sharding.check_batch_shape(mesh, 6, 128)
+  with pytest.raises(ValueError, match="config.data.seq_len 100 is not a "
+                     "multiple of config.mesh.context = 8"):
+    sharding.check_batch_shape(abstract_mesh(1, 1, 8), 4, 100)
