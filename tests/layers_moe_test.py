@@ -9,7 +9,7 @@ import model_test
 import numpy as np
 import pytest
 
-from kda_lm import model
+from kda_lm import model, testing
 from kda_lm.layers import moe
 
 D, E, K, F = 8, 8, 3, 4
@@ -164,6 +164,30 @@ def test_dispatch_matches_dense_loop_unsorted_and_empty_experts():
                        for j, e in enumerate(np.asarray(idx[n])))
                    for n in range(6)])
   np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "megablox"])
+def test_grouped_matmuls_equal_the_ragged_dot_layer(impl):
+  """The layer with each grouped matmul against the one before it
+  (`ragged_dot`): outputs, loads and every gradient within 1e-6."""
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.normal(size=(3, 40, D)), jnp.float32)
+  valid = jnp.asarray(rng.uniform(size=(3, 40)) > 0.2)
+  cot = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+  params = _layer().init(jax.random.key(3), x)
+
+  def run(impl):
+    layer = _layer(impl=impl)
+    loss = lambda p, x: jnp.sum(layer.apply(p, x, valid)[0] * cot)
+    return (layer.apply(params, x, valid),
+            jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x))
+
+  (y_ref, load_ref), g_ref = run("ragged_dot")
+  (y, load), g = run(impl)
+  assert testing.rel_err(y, y_ref) <= 1e-6
+  np.testing.assert_array_equal(load, load_ref)
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
+    assert testing.rel_err(a, b) <= 1e-6
 
 
 def test_bad_router_dims():

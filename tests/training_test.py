@@ -356,11 +356,11 @@ def test_check_batch_names_bad_token():
     training.check_batch(batch, 9, "the batch of step 7")
 
 
-# Four fake devices, one process: data parallel (data=4), then FSDP with
-# each row's tokens split over two devices (fsdp=2 x context=2) for steps
-# 1-2, checkpointed, and resumed with data=4, context=1 for step 3.
+# Four fake devices, one process: runs given as JSON
+# [[data, fsdp, context, steps, workdir], ...] in argv[2].
 _FOUR_DEVICES = """
 import importlib.util
+import json
 import sys
 
 import jax
@@ -371,16 +371,38 @@ spec = importlib.util.spec_from_file_location("tiny", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 assert jax.device_count() == 4, jax.devices()
-runs = ((1, 1, 3, sys.argv[2]), (2, 2, 2, sys.argv[3]),
-        (1, 1, 3, sys.argv[3]))
-for fsdp, context, steps, workdir in runs:
+for data, fsdp, context, steps, workdir in json.loads(sys.argv[2]):
   config = module.get_config()
-  config.mesh.fsdp, config.mesh.context = fsdp, context
+  config.mesh.data, config.mesh.fsdp, config.mesh.context = (
+      data, fsdp, context)
   config.train.num_steps = steps
   print("mesh", dict(sharding.make_mesh(config.mesh).shape))
   state = training.train_and_evaluate(config, workdir)
   print("devices", len(state.params["embed"]["embeddings"].sharding.device_set))
 """
+
+
+def _run_four_devices(config_file, runs, cache_dir):
+  result = subprocess.run(
+      [sys.executable, "-c", _FOUR_DEVICES, config_file, json.dumps(runs)],
+      cwd=REPO, capture_output=True, text=True, timeout=900, check=False,
+      env=testing.subprocess_env(
+          cache_dir, "--xla_force_host_platform_device_count=4"))
+  assert result.returncode == 0, result.stderr[-4000:]
+  meshes = [f"{{'data': {d}, 'fsdp': {f}, 'context': {c}}}"
+            for d, f, c, _, _ in runs]
+  assert result.stdout.split("\n")[:2 * len(runs)] == [
+      line for mesh in meshes for line in (f"mesh {mesh}", "devices 4")
+  ], result.stdout
+
+
+def _assert_same_rows(workdir, expected, steps):
+  rows = train_rows(workdir)
+  assert [r["step"] for r in rows] == steps
+  for row, want in zip(rows, expected, strict=True):
+    for key in ("loss", "accuracy", "grad_norm"):
+      np.testing.assert_allclose(row[key], want[key], rtol=2e-5,
+                                 atol=1e-6, err_msg=f"{workdir} {key}")
 
 
 def test_four_devices_match_one(tmp_path, data_dir, cache_dir):
@@ -392,29 +414,32 @@ def test_four_devices_match_one(tmp_path, data_dir, cache_dir):
   training.train_and_evaluate(tiny_config(data_dir, **common), one)
   workdirs = [str(tmp_path / name) for name in ("four", "fsdp_context")]
   config_file = write_config_file(tmp_path, data_dir, **common)
-  result = subprocess.run(
-      [sys.executable, "-c", _FOUR_DEVICES, config_file, *workdirs],
-      cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
-      env=testing.subprocess_env(
-          cache_dir, "--xla_force_host_platform_device_count=4"))
-  assert result.returncode == 0, result.stderr[-4000:]
-  meshes = ["{'data': 4, 'fsdp': 1, 'context': 1}",
-            "{'data': 1, 'fsdp': 2, 'context': 2}",
-            "{'data': 4, 'fsdp': 1, 'context': 1}"]
-  assert result.stdout.split("\n")[:6] == [
-      line for mesh in meshes for line in (f"mesh {mesh}", "devices 4")
-  ], result.stdout
+  _run_four_devices(config_file, [(4, 1, 1, 3, workdirs[0]),
+                                  (1, 2, 2, 2, workdirs[1]),
+                                  (4, 1, 1, 3, workdirs[1])], cache_dir)
   expected, expected_eval = train_rows(one), eval_losses(one)
   assert sorted(expected_eval) == [3]
   for workdir in workdirs:
-    rows = train_rows(workdir)
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    for row, want in zip(rows, expected, strict=True):
-      for key in ("loss", "accuracy", "grad_norm"):
-        np.testing.assert_allclose(row[key], want[key], rtol=2e-5,
-                                   atol=1e-6, err_msg=f"{workdir} {key}")
+    _assert_same_rows(workdir, expected, [1, 2, 3])
     np.testing.assert_allclose(eval_losses(workdir)[3], expected_eval[3],
                                rtol=2e-5, err_msg=workdir)
+
+
+def test_ten_steps_on_each_mesh_match_one_device(tmp_path, data_dir,
+                                                 cache_dir):
+  """10 steps with fsdp=4, data=4 and data=2 x fsdp=2 (KDA and the MoE
+  dispatch inside shard_map on each) reproduce the one-device losses."""
+  common = dict(train__num_steps=10, eval__every_steps=0,
+                checkpoint__every_steps=10)
+  one = str(tmp_path / "one")
+  training.train_and_evaluate(tiny_config(data_dir, **common), one)
+  runs = [(1, 4, 1), (4, 1, 1), (2, 2, 1)]
+  runs = [(*mesh, 10, str(tmp_path / f"mesh_{i}"))
+          for i, mesh in enumerate(runs)]
+  _run_four_devices(write_config_file(tmp_path, data_dir, **common), runs,
+                    cache_dir)
+  for *_, workdir in runs:
+    _assert_same_rows(workdir, train_rows(one), list(range(1, 11)))
 
 
 # ---------------------------------------------------------------------------

@@ -54,6 +54,16 @@ def resolve_impl(impl: str) -> str:
   return impl
 
 
+def default_tile_m(M: int, G: int) -> int:
+  """Rows per tile: the largest power of two in [8, 128] whose G - 1
+  partial tiles add at most a quarter of M (the xla path's bound on extra
+  work), and no larger than M rounded up to 8."""
+  tm = DEFAULT_TILE_M
+  while tm > 8 and (G - 1) * tm > M // 4:
+    tm //= 2
+  return min(tm, -(-M // 8) * 8)
+
+
 def _check(lhs, rhs, group_sizes):
   if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
     raise ValueError(f"gmm takes lhs [M,K], rhs [G,K,N], group_sizes [G]; "
@@ -76,7 +86,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     rhs: [G,K,N] one matrix per group.
     group_sizes: [G] int rows per group, summing to at most M.
     impl: "auto", "xla", "megablox" or "ragged_dot".
-    tile_m: rows per tile (default 128, at most M rounded up to 8).
+    tile_m: rows per tile (default: `default_tile_m(M, G)` for "xla",
+      128 for "megablox").
 
   Returns:
     [M,N] in `lhs`'s dtype (float32 accumulation).
@@ -93,11 +104,14 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   rhs = _varying_like(rhs.astype(lhs.dtype), lhs)
   group_sizes = _varying_like(group_sizes, lhs)
   M, K = lhs.shape
-  tm = tile_m or min(DEFAULT_TILE_M, -(-M // 8) * 8)
   if impl == "ragged_dot":
     return jax.lax.ragged_dot(lhs, rhs, group_sizes)
   if impl == "megablox":
+    # The kernel visits only the tiles that hold rows (a dynamic grid):
+    # full-size tiles cost nothing extra there.
+    tm = tile_m or min(DEFAULT_TILE_M, -(-M // 16) * 16)
     return _megablox(lhs, rhs, group_sizes, tm)
+  tm = tile_m or default_tile_m(M, rhs.shape[0])
   return _xla_gmm(lhs, rhs, group_sizes, tm)
 
 
