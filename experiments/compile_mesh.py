@@ -21,7 +21,7 @@ check's environment (libtpu, the CUDA plugin):
   "$py" -m experiments.compile_mesh                       # the docs table
   "$py" -m experiments.compile_mesh --seq_len=512 --layers=4   # CI's size
 
-A row is `target:mesh:B[:dense]`, e.g. `v5p:data=2,fsdp=2:4` or
+A row is `target:mesh:B[:dense]`, e.g. `v5p:data=2+fsdp=2:4` or
 `h100x1:data=1:1:dense` (`dense`: `num_experts=0`, dense SwiGLU layers of
 the same active width, the reference for the MoE's memory).
 """
@@ -49,9 +49,9 @@ from kda_lm import optimizer, sharding, training  # noqa: E402
 from kda_lm import config as config_lib  # noqa: E402
 from kda_lm.ops.kda import api as kda_api  # noqa: E402
 
-DEFAULT_ROWS = ["v5p:fsdp=4:4", "v5p:data=4:4", "v5p:data=2,fsdp=2:4",
-                "v5p:context=2,fsdp=2:4", "h100x4:fsdp=4:4",
-                "h100x4:data=2,fsdp=2:4", "h100x1:data=1:1",
+DEFAULT_ROWS = ["v5p:fsdp=4:4", "v5p:data=4:4", "v5p:data=2+fsdp=2:4",
+                "v5p:context=2+fsdp=2:4", "h100x4:fsdp=4:4",
+                "h100x4:data=2+fsdp=2:4", "h100x1:data=1:1",
                 "h100x1:data=1:1:dense"]
 _ROWS = flags.DEFINE_list("rows", DEFAULT_ROWS, "target:mesh:B[:dense].")
 _LAYERS = flags.DEFINE_integer("layers", 4, "Decoder layers (KKKM...).")
@@ -92,9 +92,9 @@ def devices(target):
 
 
 def parse_mesh(text):
-  """"data=2,fsdp=2" -> a `config.mesh` ConfigDict (missing axes 1)."""
+  """"data=2+fsdp=2" -> a `config.mesh` ConfigDict (missing axes 1)."""
   sizes = dict(data=1, fsdp=1, context=1)
-  for item in text.split(","):
+  for item in text.split("+"):
     name, value = item.split("=")
     if name not in sizes:
       raise ValueError(f"Unknown mesh axis {name!r} in {text!r}.")
