@@ -33,8 +33,8 @@ from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
 from experiments import compile_mesh  # noqa: E402
+import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
 from kda_lm.ops import gmm  # noqa: E402
 
 _TARGETS = flags.DEFINE_list("targets", ["cpu", "v5p", "h100"],
@@ -92,9 +92,10 @@ def row(target, impl, M, K, N, E, what):
   flops, temp, seconds = _compile(fn, args, target)
   useful = 2.0 * M * K * N * (1 if what == "forward" else 2)
   counted = _loop_flops(M, K, N, E, what) if impl == "xla" else flops
-  return (f"| {target} | {E} | {what} | {impl} | {flops / 1e12:.3f} | "
-          f"{counted / 1e12:.3f} | {counted / useful:.2f}x | {temp:.2f} | "
-          f"{seconds:.1f} |")
+  tflop = lambda x: f"{x / 1e12:.3f}" if x else "-"   # GPU: none reported
+  ratio = f"{counted / useful:.2f}x" if counted else "-"
+  return (f"| {target} | {E} | {what} | {impl} | {tflop(flops)} | "
+          f"{tflop(counted)} | {ratio} | {temp:.2f} | {seconds:.1f} |")
 
 
 def main(argv):

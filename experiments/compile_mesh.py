@@ -40,13 +40,12 @@ from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
 
-import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
 from configs import ling3  # noqa: E402
+import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
+from kda_lm import config as config_lib  # noqa: E402
 from kda_lm import model as model_lib  # noqa: E402
 from kda_lm import optimizer, sharding, training  # noqa: E402
-from kda_lm import config as config_lib  # noqa: E402
 from kda_lm.ops.kda import api as kda_api  # noqa: E402
 
 DEFAULT_ROWS = ["v5p:fsdp=4:4", "v5p:data=4:4", "v5p:data=2+fsdp=2:4",

@@ -23,6 +23,7 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import ling3_tiny  # noqa: E402
+from kda_lm import config as config_lib  # noqa: E402
 from kda_lm import model as model_lib  # noqa: E402
 from kda_lm import optimizer, segments, sharding, testing, training  # noqa
 from kda_lm.ops.kda import pallas  # noqa: E402
@@ -66,8 +67,8 @@ def step_errors(kda_impl, moe_impl):
   model = model_lib.build(config)
   tx, schedule = optimizer.make_optimizer(ling3_tiny.get_config().opt, 10)
   state = training.make_init_fn(model, tx, T)(jax.random.PRNGKey(0))
-  loss_fn = training._loss_fn(model, model_lib.config_lib.ModelConfig
-                              .from_config(config))  # pylint: disable=protected-access
+  cfg = config_lib.ModelConfig.from_config(config)
+  loss_fn = training._loss_fn(model, cfg)  # pylint: disable=protected-access
   grad = jax.value_and_grad(loss_fn, has_aux=True)
   batch = packed_batch()
   (loss1, _), grads1 = jax.jit(grad)(state.params, batch)
@@ -82,7 +83,7 @@ def step_errors(kda_impl, moe_impl):
     out[f"{kda_impl}_{moe_impl}_{name}"] = {
         "loss": testing.rel_err(loss, loss1),
         "grads": max(testing.rel_err(a, b) for a, b in zip(
-            jax.tree.leaves(grads), jax.tree.leaves(grads1)))}
+            jax.tree.leaves(grads), jax.tree.leaves(grads1), strict=True))}
   return out
 
 

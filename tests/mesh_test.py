@@ -23,9 +23,8 @@ import jax.numpy as jnp
 import pytest
 
 from configs import ling3_tiny
-from kda_lm import context_parallel
+from kda_lm import context_parallel, optimizer, sharding, testing, training
 from kda_lm import model as model_lib
-from kda_lm import optimizer, sharding, testing, training
 
 REPO = testing.REPO
 CHECKS = os.path.join(REPO, "tests", "mesh_checks.py")

@@ -86,10 +86,10 @@ def test_xla_costs_the_rows_not_the_groups():
 def test_work_items_cover_each_group_once():
   sizes = jnp.asarray([5, 0, 17, 1, 9, 0, 32], jnp.int32)
   tm, M = 8, 64
-  tile, group, valid, starts, ends = (
-      np.asarray(a) for a in gmm._work_items(sizes, M // tm, tm))  # pylint: disable=protected-access
+  items = gmm._work_items(sizes, M // tm, tm)  # pylint: disable=W0212
+  tile, group, valid, starts, ends = (np.asarray(a) for a in items)
   covered = np.zeros(M, int)
-  for t, g, ok in zip(tile, group, valid):
+  for t, g, ok in zip(tile, group, valid, strict=True):
     if ok:
       rows = np.arange(t * tm, t * tm + tm)
       covered[rows[(rows >= starts[g]) & (rows < ends[g])]] += 1
