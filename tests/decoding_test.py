@@ -177,3 +177,130 @@ def test_generate_stops_and_rejects_bad_input():
                                                        top_k=99))
   with pytest.raises(ValueError, match="empty"):
     decoding.generate(decoder, params, [[1], []], max_new_tokens=2)
+
+
+# Distinct logits in no particular order, so that a sampler that keeps the
+# wrong indices (not just the wrong number of them) is caught too. At T = 1
+# the sorted probabilities are .475 .213 .158 .087 .043 .024.
+LOGITS_W = np.array([0.3, 2.0, -1.0, 1.2, -0.4, 0.9])
+
+# (temperature, top_k, top_p) and the tokens the filter must keep. Nucleus
+# boundaries sit >= 0.02 away from every cumulative probability, so float32
+# rounding cannot move them.
+SAMPLING_CASES = {
+    # T = 2 vs T^2 = 4: total variation 0.096; vs 1/T: 0.42.
+    "temperature_2": ((2.0, 0, 1.0), [0, 1, 2, 3, 4, 5]),
+    "temperature_half": ((0.5, 0, 1.0), [0, 1, 2, 3, 4, 5]),
+    "top_k_3": ((1.0, 3, 1.0), [1, 3, 5]),
+    "top_k_3_tempered": ((1.5, 3, 1.0), [1, 3, 5]),
+    "top_k_5": ((1.0, 5, 1.0), [0, 1, 3, 4, 5]),
+    # Cumulative .475 .688 .847: the probability before token 3 (.688)
+    # is under 0.8, so 3 tokens stay (an inclusive cumsum keeps 2).
+    "top_p_0.8": ((1.0, 0, 0.8), [1, 3, 5]),
+    "top_p_0.6": ((1.0, 0, 0.6), [1, 3]),
+    "top_p_0.4": ((1.0, 0, 0.4), [1]),
+    # On the tempered distribution (cumulative .313 .522 .703 at T = 2):
+    # 3 tokens, where the untempered nucleus has 2.
+    "top_p_tempered": ((2.0, 0, 0.6), [1, 3, 5]),
+    # Top-p on the renormalised top-4 (cumulative .509 .738 .907): 3
+    # tokens; on the full softmax (.475 .688 .847) it would keep 4.
+    "top_k_then_top_p": ((1.0, 4, 0.88), [1, 3, 5]),
+}
+
+
+def sampling_probs(logits_W, temperature, top_k=0, top_p=1.0):
+  """The distribution `sample_logits` must draw from, in float64 numpy:
+  softmax(logits / T) restricted to the top k, then to the nucleus (the
+  likeliest tokens while the probability before them is < top_p),
+  renormalised."""
+  z = np.asarray(logits_W, np.float64) / temperature
+  order = np.argsort(-z)
+  keep = np.zeros(z.shape, bool)
+  keep[order[:top_k or len(z)]] = True
+  p = np.where(keep, np.exp(z - z.max()), 0.0)
+  p /= p.sum()
+  before = np.cumsum(p[order]) - p[order]
+  keep[order[before >= top_p]] = False
+  p = np.where(keep, p, 0.0)
+  return p / p.sum()
+
+
+def test_sampling_probs_reference():
+  """The numpy reference itself, on the cases' kept sets."""
+  for (t, k, p), kept in SAMPLING_CASES.values():
+    probs = sampling_probs(LOGITS_W, t, k, p)
+    assert np.flatnonzero(probs).tolist() == kept, (t, k, p)
+  np.testing.assert_allclose(
+      sampling_probs([0.0, np.log(3.0)], 1.0), [0.25, 0.75])
+  np.testing.assert_allclose(
+      sampling_probs([0.0, np.log(3.0)], 0.5), [0.1, 0.9])
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
+def test_sampler_draws_from_the_filtered_softmax_exactly(case, monkeypatch):
+  """The logits `sample_logits` hands to `jax.random.categorical` are
+  exactly log of the filtered, renormalised distribution (up to a
+  constant): -inf on every dropped token and nowhere else."""
+  (t, k, p), kept = SAMPLING_CASES[case]
+  seen = []
+
+  def categorical(key, logits, axis=-1):
+    del key
+    seen.append(np.asarray(logits, np.float64))
+    return jnp.argmax(logits, axis=axis)
+
+  monkeypatch.setattr(jax.random, "categorical", categorical)
+  logits = jnp.asarray(np.stack([LOGITS_W, LOGITS_W[::-1]]), jnp.float32)
+  with jax.disable_jit():
+    decoding.sample_logits(logits, jax.random.key(0), temperature=t,
+                           top_k=k, top_p=p)
+  assert len(seen) == 1, "the sampler no longer calls categorical"
+  for row, want_logits in zip(seen[0], (LOGITS_W, LOGITS_W[::-1]),
+                              strict=True):
+    want = sampling_probs(want_logits, t, k, p)
+    np.testing.assert_array_equal(np.isfinite(row), want > 0)
+    got = np.exp(row - row[np.isfinite(row)].max())
+    np.testing.assert_allclose(got / got.sum(), want, rtol=1e-6, atol=1e-7)
+  assert np.flatnonzero(np.isfinite(seen[0][0])).tolist() == kept
+
+
+N_DRAWS = 40_000
+# Total-variation bound for N_DRAWS draws over 6 tokens: the correct sampler
+# exceeds it with probability <= 2^6 exp(-2 N eps^2) < 1e-12 (Bretagnolle-
+# Huber-Carol), while every wrong distribution of these cases (T^2, 1/T, an
+# off-by-one k or nucleus) lies >= 0.08 away.
+TV_BOUND = 0.02
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
+def test_sampler_frequencies_match_the_filtered_softmax(case):
+  """Through the jitted sampler: N_DRAWS rows of the same logits, one draw
+  each; only kept tokens appear, at their probabilities."""
+  (t, k, p), kept = SAMPLING_CASES[case]
+  logits = jnp.broadcast_to(jnp.asarray(LOGITS_W, jnp.float32),
+                            (N_DRAWS, len(LOGITS_W)))
+  draws = np.asarray(decoding.sample_logits(
+      logits, jax.random.key(7), temperature=t, top_k=k, top_p=p))
+  counts = np.bincount(draws, minlength=len(LOGITS_W))
+  assert np.flatnonzero(counts).tolist() == kept, counts
+  want = sampling_probs(LOGITS_W, t, k, p)
+  tv = 0.5 * np.abs(counts / N_DRAWS - want).sum()
+  assert tv <= TV_BOUND, (tv, counts / N_DRAWS, want)
+
+
+def test_wrong_samplers_lie_outside_the_bound():
+  """The cases tell the right distribution from its plausible mistakes by
+  far more than TV_BOUND (so the frequency test fails on each)."""
+  tv = lambda a, b: 0.5 * np.abs(a - b).sum()
+  for t in (2.0, 0.5):
+    right = sampling_probs(LOGITS_W, t)
+    for wrong_t in (t * t, 1.0 / t, 1.0):
+      assert tv(right, sampling_probs(LOGITS_W, wrong_t)) > 4 * TV_BOUND
+  for (t, k, p), _ in SAMPLING_CASES.values():
+    right = sampling_probs(LOGITS_W, t, k, p)
+    for wrong in ((t, k + 1, p), (t, max(k - 1, 1) if k else 0, p),
+                  (1.0, k, p)):
+      if wrong != (t, k, p) and tv(right, sampling_probs(
+          LOGITS_W, *wrong)) > 0:
+        assert tv(right, sampling_probs(LOGITS_W, *wrong)) > 2 * TV_BOUND, (
+            (t, k, p), wrong)
