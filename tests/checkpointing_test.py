@@ -269,3 +269,42 @@ def test_failed_async_save_names_path_and_os_reason(tmp_path, monkeypatch):
   monkeypatch.undo()
   manager.close()
   assert checkpointing.verify_manifest(os.path.join(directory, "1"))
+
+
+@pytest.mark.parametrize("change,message", [
+    # A marker file Orbax does not read back: only the manifest notices.
+    ("delete", "state/commit_success.txt is missing"),
+    ("add", "state/extra.bin is not in the manifest"),
+])
+def test_deleted_or_added_file_is_named_by_the_manifest_check(
+    tmp_path, caplog, change, message):
+  directory = str(tmp_path / "ckpt")
+  save_steps(directory, [1, 2])
+  step_dir = os.path.join(directory, "2")
+  path = os.path.join(step_dir, "state",
+                      "commit_success.txt" if change == "delete"
+                      else "extra.bin")
+  if change == "delete":
+    os.remove(path)
+  else:
+    with open(path, "wb") as f:
+      f.write(b"\0" * 8)
+  with pytest.raises(checkpointing.CorruptCheckpointError) as info:
+    checkpointing.verify_manifest(step_dir)
+  assert str(info.value) == message
+  # The restore sets step 2 aside for that reason (at the manifest check,
+  # before any read) and falls back to step 1.
+  manager = checkpointing.CheckpointManager(directory)
+  iterator = FakeIterator()
+  with caplog.at_level(logging.WARNING):
+    restored = manager.restore(abstract(), iterator)
+  manager.close()
+  assert_trees_equal(restored, make_state(step=1, seed=1))
+  assert iterator.position == 1
+  skipped = [r.getMessage() for r in caplog.records
+             if r.getMessage().startswith("Skipping checkpoint")]
+  assert len(skipped) == 1, skipped
+  assert skipped[0].endswith(
+      f"/2: it is unreadable or damaged (CorruptCheckpointError: "
+      f"{message}).")
+  assert any(n.startswith("unreadable-2-") for n in os.listdir(directory))

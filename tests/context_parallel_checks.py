@@ -6,6 +6,7 @@ Shapes are tiny (B=2, T=64..128, H=2, K=V=16, chunk 16) and every
 compiled function serves several cases.
 """
 
+import itertools
 import json
 import os
 import sys
@@ -87,6 +88,95 @@ def op_errors(gate, shards, impl="xla"):
     out[f"op_{impl}_{gate}_{n}"] = {
         "o": testing.rel_err(o, o1), "final_state": testing.rel_err(s, s1),
         **{f"d{k}": testing.rel_err(g[k], g1[k]) for k in g1}}
+  return out
+
+
+def keep_state_reference(ids_BT, n):
+  """[n,B] numpy: whether shard j starts from the state entering it, from
+  the segment rule alone (`kda_lm/segments.py`: a state reset before every
+  segment start but the row's first; padding changes no state).
+
+  A shard without a real token passes the state through (1); otherwise it
+  keeps it iff no reset falls on its first real token.
+  """
+  B, T = ids_BT.shape
+  prev = np.concatenate([np.full((B, 1), -1), ids_BT[:, :-1]], axis=1)
+  seg_start = (ids_BT != prev) & (ids_BT != 0)
+  resets = seg_start & (np.cumsum(seg_start, axis=1) > 1)
+  keep = np.ones((n, B), np.float32)
+  for j in range(n):
+    shard = slice(j * T // n, (j + 1) * T // n)
+    for b in range(B):
+      real = np.flatnonzero(ids_BT[b, shard])
+      if real.size and resets[b, shard][real[0]]:
+        keep[j, b] = 0.0
+  return keep
+
+
+def keep_ids():
+  """[3,64] ids for the op at n = 4 (shards of 16), the layouts where the
+  state exchange must reset or carry at a shard boundary.
+
+  Row 0: document 1, padding 12..19 across the split 16 (shard 1 begins
+  with padding after shard 0 ended with it), then a new document 2 inside
+  shard 1 (a reset); padding 30..35 across the split 32, then id 2 reused
+  (a new piece: a reset); id 3 from 44 on, continued across the split 48
+  (the state carries). Row 1: padding up to 40 (shards 0 and 1 all
+  padding, shard 2 begins with padding), then the row's first document:
+  the initial state passes through. Row 2: document 1, shard 1 all padding,
+  id 1 reused in shard 2 (a reset), shard 3 all padding (the final state
+  lies in shard 2).
+  """
+  ids = np.zeros((3, 64), np.int32)
+  ids[0, 0:12], ids[0, 20:30], ids[0, 36:44], ids[0, 44:] = 1, 2, 2, 3
+  ids[1, 40:] = 5
+  ids[2, 0:10], ids[2, 40:48] = 1, 1
+  return ids
+
+
+def keep_errors():
+  """`context_parallel._keep_state` against `keep_state_reference` on every
+  row of ids in {0, 1, 2} (3^T rows) at several shard counts, and the op
+  at n = 4 against one device on `keep_ids`."""
+  P = jax.sharding.PartitionSpec
+  out = {}
+  for n, T in ((2, 6), (3, 6), (4, 8)):
+    ids = np.array(list(itertools.product(range(3), repeat=T)), np.int32)
+    keep = jax.jit(jax.shard_map(
+        context_parallel._keep_state, mesh=mesh(n),  # pylint: disable=protected-access
+        in_specs=P(None, context_parallel.CONTEXT_AXIS), out_specs=P(),
+        check_vma=False))(ids)
+    want = keep_state_reference(ids, n)
+    bad = np.flatnonzero(np.any(np.asarray(keep) != want, axis=0))
+    out[f"keep_state_{n}"] = {
+        "rows": len(ids), "mismatches": int(bad.size),
+        "example": None if not bad.size else {
+            "ids": ids[bad[0]].tolist(),
+            "keep": np.asarray(keep)[:, bad[0]].tolist(),
+            "want": want[:, bad[0]].tolist()}}
+  ids = keep_ids()
+  out["keep_state_ids"] = {"mismatches": int(np.sum(
+      np.asarray(jax.jit(jax.shard_map(
+          context_parallel._keep_state, mesh=mesh(4),  # pylint: disable=protected-access
+          in_specs=P(None, context_parallel.CONTEXT_AXIS), out_specs=P(),
+          check_vma=False))(ids)) != keep_state_reference(ids, 4)))}
+  params, static = testing.kda_inputs(np.random.default_rng(3), 3, 64, 2,
+                                      16, 16, gate="safe", l2norm=True)
+
+  def op(p):
+    return context_parallel.chunk_kda(
+        p["q"], p["k"], p["v"], p["g"], p["beta"],
+        segment_ids=jnp.asarray(ids), initial_state=p["initial_state"],
+        A_log=p["A_log"], dt_bias=p["dt_bias"], output_final_state=True,
+        impl="xla", chunk_size=16, **static)
+
+  results = {}
+  for n in (1, 4):
+    with jax.set_mesh(mesh(n)):
+      results[n] = jax.jit(op)(params)
+  (o1, s1), (o4, s4) = results[1], results[4]
+  out["keep_op_4"] = {"o": testing.rel_err(o4, o1),
+                      "final_state": testing.rel_err(s4, s1)}
   return out
 
 
@@ -221,6 +311,8 @@ def main():
     out.update(op_errors("safe", (4, 8)))
     out.update(op_errors("pre", (2,)))
     out.update(op_errors("safe", (2,), impl="pallas"))
+  elif which == "keep":
+    out.update(keep_errors())
   elif which == "layers":
     out.update(layer_errors("conv", lambda: conv.ShortConvolution(
         4, with_bias=True)))

@@ -72,3 +72,20 @@ def test_without_mesh_is_the_plain_op():
                        axis_types=(jax.sharding.AxisType.Auto,))
   with jax.set_mesh(mesh):
     assert context_parallel.context_size() == 1
+
+
+def test_keep_state_follows_the_segment_rule_at_shard_boundaries():
+  """`_keep_state` on every id row over {0, 1, 2} of 6 or 8 tokens (2, 3
+  and 4 shards) against the segment rule, and the op at n = 4 on rows where
+  a shard begins with padding after one that ended with padding, then a
+  new document (or a reused id, or the row's first document)."""
+  results = _run_checks("keep")
+  assert sorted(results) == ["keep_op_4", "keep_state_2", "keep_state_3",
+                             "keep_state_4", "keep_state_ids"]
+  for n, T in ((2, 6), (3, 6), (4, 8)):
+    errors = results[f"keep_state_{n}"]
+    assert errors["rows"] == 3 ** T
+    assert errors["mismatches"] == 0, errors
+  assert results["keep_state_ids"]["mismatches"] == 0
+  errors = results["keep_op_4"]
+  assert errors["o"] <= FWD and errors["final_state"] <= FWD, errors

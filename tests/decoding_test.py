@@ -288,19 +288,37 @@ def test_sampler_frequencies_match_the_filtered_softmax(case):
   assert tv <= TV_BOUND, (tv, counts / N_DRAWS, want)
 
 
-def test_wrong_samplers_lie_outside_the_bound():
-  """The cases tell the right distribution from its plausible mistakes by
-  far more than TV_BOUND (so the frequency test fails on each)."""
-  tv = lambda a, b: 0.5 * np.abs(a - b).sum()
-  for t in (2.0, 0.5):
-    right = sampling_probs(LOGITS_W, t)
-    for wrong_t in (t * t, 1.0 / t, 1.0):
-      assert tv(right, sampling_probs(LOGITS_W, wrong_t)) > 4 * TV_BOUND
-  for (t, k, p), _ in SAMPLING_CASES.values():
+def _caught(right, wrong):
+  """Whether the frequency test must fail on draws from `wrong`: a token
+  the right sampler keeps never drawn, a dropped token drawn >= 50 times
+  on average (missing it has probability < e^-50), or the total variation
+  more than twice the bound."""
+  tv = 0.5 * np.abs(right - wrong).sum()
+  extra = wrong[(right == 0) & (wrong > 0)]
+  return (np.any((right > 0) & (wrong == 0))
+          or np.any(extra * N_DRAWS >= 50) or tv > 2 * TV_BOUND)
+
+
+def test_wrong_samplers_are_caught_by_the_frequency_test():
+  """The cases tell the right distribution from its plausible mistakes:
+  T^2, 1/T or T = 1 for T; k +- 1; a nucleus one token too short or long;
+  and the right sampler draws every kept token >= 50 times on average."""
+  for (t, k, p), kept in SAMPLING_CASES.values():
     right = sampling_probs(LOGITS_W, t, k, p)
-    for wrong in ((t, k + 1, p), (t, max(k - 1, 1) if k else 0, p),
-                  (1.0, k, p)):
-      if wrong != (t, k, p) and tv(right, sampling_probs(
-          LOGITS_W, *wrong)) > 0:
-        assert tv(right, sampling_probs(LOGITS_W, *wrong)) > 2 * TV_BOUND, (
-            (t, k, p), wrong)
+    assert right[kept].min() * N_DRAWS >= 50
+    wrongs = [(w, k, p) for w in (t * t, 1.0 / t, 1.0) if w != t]
+    if k and p == 1:   # (With a nucleus, k - 1 may not matter.)
+      wrongs += [(t, k + 1, p), (t, k - 1, p)]
+    for wrong in wrongs:
+      assert _caught(right, sampling_probs(LOGITS_W, *wrong)), (
+          (t, k, p), wrong)
+    if p < 1:
+      # The nucleus one token shorter or longer than it should be.
+      order = np.argsort(-right)
+      for n in (len(kept) - 1, len(kept) + 1):
+        if 1 <= n <= len(LOGITS_W):
+          wrong = np.zeros_like(right)
+          base = sampling_probs(LOGITS_W, t, k)
+          wrong[order[:n]] = base[order[:n]]
+          if wrong.sum() > 0:
+            assert _caught(right, wrong / wrong.sum()), ((t, k, p), n)

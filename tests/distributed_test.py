@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -269,6 +270,59 @@ def test_shutdown_stops_the_coordinator_last(monkeypatch):
   assert events == ["barrier kda_lm: finished",
                     "client (service attached: False)", "sleep 0.5",
                     "service"]
+
+
+@pytest.mark.parametrize("count,index,want", [
+    (2, 0, ["body", "barrier data"]),     # The main process: body first.
+    (2, 1, ["barrier data", "body"]),     # The others wait for it.
+    (3, 2, ["barrier data", "body"]),
+    (1, 0, ["body"]),                     # One process: no barrier.
+])
+def test_main_process_first_orders_body_and_barrier(monkeypatch, count,
+                                                    index, want):
+  events = []
+  monkeypatch.setattr(jax, "process_count", lambda: count)
+  monkeypatch.setattr(jax, "process_index", lambda: index)
+  monkeypatch.setattr(distributed.multihost_utils, "sync_global_devices",
+                      lambda name: events.append(f"barrier {name}"))
+  with distributed.main_process_first("data"):
+    events.append("body")
+  assert events == want
+
+
+def test_main_process_first_runs_the_main_body_before_the_others(
+    monkeypatch):
+  """Three threads stand for three processes, a `threading.Barrier` for the
+  global one: the main process's body ends before any other body starts;
+  the others then run theirs."""
+  events, errors = [], []
+  barrier = threading.Barrier(3, timeout=10)
+  monkeypatch.setattr(jax, "process_count", lambda: 3)
+  monkeypatch.setattr(distributed, "is_main_process",
+                      lambda: threading.current_thread().name == "p0")
+  monkeypatch.setattr(distributed.multihost_utils, "sync_global_devices",
+                      lambda name: barrier.wait())
+
+  def process():
+    name = threading.current_thread().name
+    try:
+      with distributed.main_process_first("data"):
+        events.append(f"{name} starts")
+        time.sleep(0.2 if name == "p0" else 0.0)
+        events.append(f"{name} ends")
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      errors.append(e)
+
+  threads = [threading.Thread(target=process, name=f"p{i}")
+             for i in (2, 1, 0)]   # The others first: they must wait.
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(timeout=60)
+  assert not errors, errors
+  assert events[:2] == ["p0 starts", "p0 ends"], events
+  assert sorted(events[2:]) == ["p1 ends", "p1 starts", "p2 ends",
+                                "p2 starts"], events
 
 
 def test_wait_for_coordinator_times_out():

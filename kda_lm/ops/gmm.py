@@ -12,14 +12,17 @@ groups hold: `ragged_dot` lowers to a matmul over every group for every row
 on CPU and GPU (and its TPU gradient likewise), G times the useful FLOPs
 and a `[G,M,...]`-sized temporary. Implementations (`impl`):
 
-* "megablox": JAX's Pallas TPU kernels (`gmm` and, for the weight
-  gradient, `tgmm`, with JAX's own VJP); interpret mode on CPU.
+* "megablox": JAX's Pallas TPU kernels (`gmm` for the output and the
+  input gradient, `tgmm` for the weight gradient) in a custom VJP that
+  also zeroes the rows past the groups, which the kernel leaves
+  unwritten; interpret mode on CPU.
 * "xla": the portable path. The rows are cut into tiles of `tm`; a work
   item is one (tile, group) pair whose rows overlap, at most
   `M/tm + G - 1` of them. A `fori_loop` over the items multiplies each
   tile, masked to its group's rows, by its group's matrix, so FLOPs are
-  `2*tm*K*N` per item (the useful work plus at most G - 1 partial tiles)
-  and memory is that of the inputs and outputs. The VJP is the same loop:
+  `2*tm*K*N` per item (the useful work plus at most G - 1 partial tiles;
+  `default_tile_m` keeps them under M/4 rows) and memory is that of the
+  inputs and outputs. The VJP is the same loop:
   `dlhs = gmm(dout, rhs^T)` and `drhs[g] += lhs_tile^T dout_tile`.
 * "ragged_dot": `jax.lax.ragged_dot` itself, the reference in tests and
   benchmarks.
