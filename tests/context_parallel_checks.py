@@ -134,32 +134,32 @@ def keep_ids():
   return ids
 
 
+def keep_state(ids_BT, n):
+  """`context_parallel._keep_state` on [B,T] ids split over n shards."""
+  P = jax.sharding.PartitionSpec
+  return np.asarray(jax.jit(jax.shard_map(
+      context_parallel._keep_state,  # pylint: disable=protected-access
+      mesh=mesh(n), in_specs=P(None, context_parallel.CONTEXT_AXIS),
+      out_specs=P(), check_vma=False))(ids_BT))
+
+
 def keep_errors():
   """`context_parallel._keep_state` against `keep_state_reference` on every
-  row of ids in {0, 1, 2} (3^T rows) at several shard counts, and the op
-  at n = 4 against one device on `keep_ids`."""
-  P = jax.sharding.PartitionSpec
+  row of ids in {0, 1, 2} (3^T rows) at several shard counts and on
+  `keep_ids`, and the op at n = 4 against one device on `keep_ids`."""
   out = {}
   for n, T in ((2, 6), (3, 6), (4, 8)):
     ids = np.array(list(itertools.product(range(3), repeat=T)), np.int32)
-    keep = jax.jit(jax.shard_map(
-        context_parallel._keep_state, mesh=mesh(n),  # pylint: disable=protected-access
-        in_specs=P(None, context_parallel.CONTEXT_AXIS), out_specs=P(),
-        check_vma=False))(ids)
-    want = keep_state_reference(ids, n)
-    bad = np.flatnonzero(np.any(np.asarray(keep) != want, axis=0))
+    keep, want = keep_state(ids, n), keep_state_reference(ids, n)
+    bad = np.flatnonzero(np.any(keep != want, axis=0))
     out[f"keep_state_{n}"] = {
         "rows": len(ids), "mismatches": int(bad.size),
         "example": None if not bad.size else {
-            "ids": ids[bad[0]].tolist(),
-            "keep": np.asarray(keep)[:, bad[0]].tolist(),
+            "ids": ids[bad[0]].tolist(), "keep": keep[:, bad[0]].tolist(),
             "want": want[:, bad[0]].tolist()}}
   ids = keep_ids()
   out["keep_state_ids"] = {"mismatches": int(np.sum(
-      np.asarray(jax.jit(jax.shard_map(
-          context_parallel._keep_state, mesh=mesh(4),  # pylint: disable=protected-access
-          in_specs=P(None, context_parallel.CONTEXT_AXIS), out_specs=P(),
-          check_vma=False))(ids)) != keep_state_reference(ids, 4)))}
+      keep_state(ids, 4) != keep_state_reference(ids, 4)))}
   params, static = testing.kda_inputs(np.random.default_rng(3), 3, 64, 2,
                                       16, 16, gate="safe", l2norm=True)
 

@@ -3,8 +3,9 @@ device, for the KDA op, the short convolution, MLA and the model.
 
 Fake CPU devices must exist before JAX starts, so the checks run in a
 subprocess (`context_parallel_checks.py`, one per test: the op, the
-layers, the model and refusals; each reuses its compiled functions) that
-prints the measured errors; the tests here hold them to the tolerances:
+layers, the model and refusals, the state-carry rule at shard boundaries;
+each reuses its compiled functions) that prints the measured errors; the
+tests here hold them to the tolerances:
 forward 1e-5 relative, gradients 1e-4. The op runs with impl "xla" (chunk
 16) and "pallas" (interpret mode, chunk 64).
 """

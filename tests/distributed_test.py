@@ -277,7 +277,7 @@ def test_shutdown_stops_the_coordinator_last(monkeypatch):
     (2, 1, ["barrier data", "body"]),     # The others wait for it.
     (3, 2, ["barrier data", "body"]),
     (1, 0, ["body"]),                     # One process: no barrier.
-])
+], ids=["main", "other", "third_of_3", "single"])
 def test_main_process_first_orders_body_and_barrier(monkeypatch, count,
                                                     index, want):
   events = []

@@ -102,3 +102,88 @@ def test_bad_input():
       f.init(jax.random.key(0), x)
   with pytest.raises(ValueError, match="segment_ids"):
     _apply(np.ones((1, 5, 2), np.float32), np.ones((1, 4), np.int32))
+
+
+def _conv_fns(weight=None, activation=None, with_bias=False):
+  """(full, prefill, step) applies of one ShortConvolution(4)."""
+  make = lambda: conv.ShortConvolution(4, with_bias=with_bias,
+                                       activation=activation)
+  full = hk.without_apply_rng(hk.transform(lambda x, s: make()(x, s)))
+  prefill = hk.without_apply_rng(hk.transform(
+      lambda x, s: make()(x, s, return_window=True)))
+  step = hk.without_apply_rng(hk.transform(
+      lambda x, w: make()(x, window=w)))
+  return full, prefill, step
+
+
+def _decode(prefill, step, params, x, seg, p):
+  """Outputs of a prefill of p tokens, then one token at a time from the
+  window: [B,T,D], and the windows after each step."""
+  y, window = prefill.apply(params, x[:, :p], seg)
+  outs, windows = [np.asarray(y)], [np.asarray(window)]
+  for t in range(p, x.shape[1]):
+    y, window = step.apply(params, x[:, t:t + 1], window)
+    outs.append(np.asarray(y))
+    windows.append(np.asarray(window))
+  return np.concatenate(outs, axis=1), windows
+
+
+# Prefix ids of 7 tokens; the decoded tokens continue the last document.
+DECODE_PREFIXES = {
+    "one_document": [1] * 7,
+    "last_shorter_than_window": [1, 1, 1, 1, 1, 2, 2],
+    "last_of_one_token": [1, 1, 1, 1, 1, 1, 2],
+    "left_padding": [0, 0, 0, 0, 0, 3, 3],
+    "padding_between": [1, 1, 1, 0, 2, 2, 2],
+    "last_longer_than_window": [1, 1, 2, 2, 2, 2, 2],
+}
+
+
+@pytest.mark.parametrize("case", sorted(DECODE_PREFIXES))
+def test_decode_window_equals_the_full_sequence_exact_digits(case):
+  """Digit weights: y[t] names the taps, so any tap of the window taken
+  from the wrong token (or from the previous document) changes a digit."""
+  prefix = DECODE_PREFIXES[case]
+  x = np.arange(1, 12, dtype=np.float32)[None, :, None]     # 1..11
+  seg_full = np.array([prefix + [prefix[-1]] * 4], np.int32)
+  full, prefill, step = _conv_fns()
+  params = {"short_convolution": {"weight": W_DIGITS}}
+  want = np.asarray(full.apply(params, x, seg_full))
+  for p in (8, 7):
+    got, windows = _decode(prefill, step, params, x, seg_full[:, :p], p)
+    np.testing.assert_array_equal(got, want, err_msg=f"{case} p={p}")
+  # The window after 7 tokens: the last document's last 3 inputs (inputs
+  # are 1..7), zero before the document's start.
+  n_last = 0
+  while n_last < len(prefix) and prefix[-1 - n_last] == prefix[-1]:
+    n_last += 1
+  k = min(n_last, 3)
+  want_window = np.zeros(3, np.float32)
+  want_window[3 - k:] = np.arange(8 - k, 8)
+  np.testing.assert_array_equal(windows[0][0, :, 0], want_window)
+  # Then each step shifts the window by one token.
+  np.testing.assert_array_equal(windows[1][0, :, 0],
+                                np.r_[want_window[1:], 8.0])
+
+
+def test_decode_equals_full_sequence_random_with_bias_and_silu():
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((3, 12, 5)).astype(np.float32)
+  seg = np.array([[1] * 12, [1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2],
+                  [0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4]], np.int32)
+  full, prefill, step = _conv_fns(activation="silu", with_bias=True)
+  params = full.init(jax.random.key(3), x, seg)
+  want = np.asarray(full.apply(params, x, seg))
+  got, _ = _decode(prefill, step, params, x, seg[:, :5], 5)
+  np.testing.assert_allclose(got[:, 5:], want[:, 5:], rtol=1e-6, atol=1e-6)
+  # Row 2's prefill is all padding: an empty window, and the decoded
+  # tokens start its document.
+  np.testing.assert_allclose(got[:, :5], want[:, :5], rtol=1e-6, atol=1e-6)
+
+
+def test_decode_window_shape_is_checked():
+  _, _, step = _conv_fns()
+  params = {"short_convolution": {"weight": W_DIGITS}}
+  with pytest.raises(ValueError, match="window must be"):
+    step.apply(params, np.ones((1, 1, 1), np.float32),
+               np.zeros((1, 2, 1), np.float32))

@@ -223,3 +223,74 @@ def test_document_at_an_offset_gets_its_own_rope_positions(monkeypatch):
     np.testing.assert_array_equal(pos[1, :5], np.arange(5))
   np.testing.assert_allclose(q[0, 4:9], q[1, :5], rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(k[0, 4:9], k[1, :5], rtol=1e-6, atol=1e-6)
+
+
+# Prompts of 7 tokens, then 4 decoded tokens continuing each row's last
+# document: one document; a document before the last (masked, its slots
+# before `starts`); left padding.
+DECODE_SEG = np.array([[1] * 11, [1, 1, 1] + [2] * 8,
+                       [0, 0, 0, 0, 0] + [3] * 6], np.int32)
+PROMPT = 7
+
+
+def _mla_decode_fns(max_len, **kwargs):
+  """Jitted (full forward, prefill with a cache of max_len slots, one
+  decode step) of the same MLA parameters."""
+  kw = dict(DIMS, q_lora_rank=0, rope_theta=100.0)
+  kw.update(kwargs)
+  make = lambda: mla.MultiHeadLatentAttention(H, name="mla", **kw)
+  full = hk.without_apply_rng(hk.transform(lambda x, s: make()(x, s)))
+  prefill = hk.without_apply_rng(hk.transform(
+      lambda x, s: make()(x, s, max_len=max_len)))
+  step = hk.without_apply_rng(hk.transform(
+      lambda x, c: make()(x, cache=c)))
+  return full, jax.jit(prefill.apply), jax.jit(step.apply)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(output_gate=True), dict(q_lora_rank=8), dict(use_nope=True)],
+    ids=["gate", "q_lora", "nope"])
+def test_decode_steps_equal_the_full_sequence(kwargs):
+  """A prefill of 7 tokens and 4 one-token steps with the cache (the
+  absorbed latent-space attention) give the full forward's outputs."""
+  rng = np.random.default_rng(5)
+  x = rng.standard_normal((3, 11, D)).astype(np.float32)
+  full, prefill, step = _mla_decode_fns(12, **kwargs)
+  params = full.init(jax.random.key(5), x, DECODE_SEG)
+  want = np.asarray(full.apply(params, x, DECODE_SEG))
+  y, cache = prefill(params, x[:, :PROMPT], DECODE_SEG[:, :PROMPT])
+  np.testing.assert_allclose(y, want[:, :PROMPT], rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(cache.starts, [0, 3, 5])
+  np.testing.assert_array_equal(cache.lengths, [PROMPT] * 3)
+  assert cache.c_kv.shape == (3, 12, DIMS["kv_lora_rank"])
+  for t in range(PROMPT, 11):
+    y, cache = step(params, x[:, t:t + 1], cache)
+    err = np.abs(np.asarray(y)[:, 0] - want[:, t]).max() / np.abs(
+        want[:, t]).max()
+    assert err <= 1e-5, (t, err)
+  np.testing.assert_array_equal(cache.lengths, [11] * 3)
+  # Slots past the length stay zero.
+  np.testing.assert_array_equal(cache.c_kv[:, 11:], 0.0)
+
+
+def test_decode_ignores_the_earlier_document_and_padding():
+  """Row 1's earlier document (and row 2's padding) can change at will:
+  the decoded outputs of the last document stay the same."""
+  rng = np.random.default_rng(6)
+  x = rng.standard_normal((3, 9, D)).astype(np.float32)
+  full, prefill, step = _mla_decode_fns(9, output_gate=True)
+  params = full.init(jax.random.key(6), x, DECODE_SEG[:, :9])
+
+  def decoded(x):
+    _, cache = prefill(params, x[:, :PROMPT], DECODE_SEG[:, :PROMPT])
+    outs = []
+    for t in range(PROMPT, 9):
+      y, cache = step(params, x[:, t:t + 1], cache)
+      outs.append(np.asarray(y))
+    return np.concatenate(outs, axis=1)
+
+  base = decoded(x)
+  x2 = x.copy()
+  x2[1, :3] = rng.standard_normal((3, D)) * 10
+  x2[2, :5] = rng.standard_normal((5, D)) * 10
+  np.testing.assert_allclose(decoded(x2), base, rtol=1e-5, atol=1e-6)

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
@@ -525,6 +526,90 @@ def _one_device_sharding():
                                                        "fsdp": 1}),
                             jax.devices()[:1])
   return sharding.batch_sharding(mesh)
+
+
+class _Clock:
+  """Stands in for the `time` module inside kda_lm.metrics."""
+
+  def __init__(self):
+    self.now = 1000.0
+
+  def time(self):
+    return self.now
+
+
+class _LoopRun:
+  """The parts of `training._Run` that `_train_loop` uses: steps with known
+  metrics that take known (fake) times, log rows recorded."""
+
+  check_finite = training._Run.check_finite  # pylint: disable=protected-access
+
+  def __init__(self, clock, num_steps, log_every, ckpt_every):
+    self.cfg = ml_collections.ConfigDict({
+        "train": {"num_steps": num_steps, "log_every": log_every},
+        "eval": {"every_steps": 0},
+        "checkpoint": {"every_steps": ckpt_every},
+        "data": {"batch_size": 2, "seq_len": 4},
+        "model": {"vocab_size": 11}})
+    self.clock = clock
+    self.start_step = 0
+    self.manager = None
+    self.eval_batches = None
+    self.last_checkpoint = None
+    self.batch_sharding = _one_device_sharding()
+    rng = np.random.default_rng(0)
+    self.train_it = iter(lambda: _table_batch(rng, 11, 2, 4, 8), None)
+    self.writer = types.SimpleNamespace(flush=lambda: None)
+    self.rows, self.checkpoints = [], []
+
+  @staticmethod
+  def loss(step):
+    return float(step * step)
+
+  def update(self, state, batch):
+    del batch
+    step = int(state) + 1
+    self.clock.now += 100.0 if step == 1 else 2.0   # Step 1 compiles.
+    return step, {"loss": jax.numpy.float32(self.loss(step)),
+                  "accuracy": jax.numpy.float32(step / 10),
+                  "grad_norm": jax.numpy.float32(1.0),
+                  "update_norm": jax.numpy.float32(1.0),
+                  "lr": jax.numpy.float32(step * 1e-3)}
+
+  def log_row(self, step, row):
+    self.rows.append((step, row))
+
+  def checkpoint(self, step, state):
+    del state
+    self.checkpoints.append(step)
+    self.clock.now += 50.0    # Left out of tokens/s (window.paused).
+
+  def finish(self, state):
+    del state
+
+
+def test_log_rows_average_their_steps_and_leave_out_compilation(
+    monkeypatch):
+  """log_every = 3 over 7 steps: rows at 3, 6 and 7, each the mean of its
+  steps' metrics (the first row's includes the compile step); tokens/s
+  counts neither the compile step nor checkpoint time."""
+  clock = _Clock()
+  monkeypatch.setattr(metrics, "time", clock)
+  run = _LoopRun(clock, num_steps=7, log_every=3, ckpt_every=3)
+  final = training._train_loop(run, 0)  # pylint: disable=protected-access
+  assert final == 7
+  assert run.checkpoints == [3, 6, 7]
+  assert [step for step, _ in run.rows] == [3, 6, 7]
+  tokens = 2 * 4   # Per step.
+  for (step, row), steps in zip(run.rows, ((1, 2, 3), (4, 5, 6), (7,)),
+                                strict=True):
+    assert row["loss"] == pytest.approx(np.mean([run.loss(s)
+                                                 for s in steps])), step
+    assert row["accuracy"] == pytest.approx(np.mean(steps) / 10), step
+    assert row["lr"] == pytest.approx(steps[-1] * 1e-3), step
+    # 2 s per step after the first; the 100 s compile and the 50 s
+    # checkpoints are out.
+    assert row["tokens_per_s"] == pytest.approx(tokens / 2.0), (step, row)
 
 
 def test_evaluate_pools_sums_over_all_batches():

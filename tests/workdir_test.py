@@ -59,6 +59,33 @@ def test_lock_of_a_dead_process_is_taken_over(tmp_path, caplog):
     lock.release()
 
 
+def test_exception_inside_the_locked_region_releases_the_lock(tmp_path,
+                                                            caplog):
+  """An error while training propagates, and the lock is released on the
+  way out: a second trainer then takes it at once, with no stale-lock
+  warning (the file was emptied)."""
+
+  class Crash(Exception):
+    pass
+
+  with pytest.raises(Crash):
+    with workdir.WorkdirLock(str(tmp_path)):
+      # Held: another acquire (a new open file, as another process) fails.
+      with pytest.raises(workdir.WorkdirLockedError):
+        workdir.WorkdirLock(str(tmp_path)).acquire()
+      raise Crash("the training step failed")
+  with caplog.at_level(logging.WARNING):
+    second = workdir.WorkdirLock(str(tmp_path)).acquire()
+  try:
+    assert "no longer running" not in caplog.text
+  finally:
+    second.release()
+  # And in another process too.
+  proc = _hold_lock_in_subprocess(str(tmp_path))
+  proc.communicate("\n", timeout=30)
+  assert proc.returncode == 0
+
+
 SAVED = {"model": {"d_model": 64, "kda_impl": "auto"},
          "data": {"seed": 0, "dataset_seed": 0, "seq_len": 128,
                   "data_dir": "/a"},
