@@ -58,3 +58,17 @@ def test_mtp_targets_do_not_cross_a_reused_id():
   # Position 1 (first piece) never reads a target of the second piece.
   _, mask = mtp.targets_and_mask(targets, loss_mask, reused, 2)
   np.testing.assert_array_equal(mask[0], [0, 0, 0, 1, 0, 0])
+
+
+def test_a_row_that_begins_with_padding():
+  """Leading padding is a piece of its own: piece ids stay 1-based and
+  t = 0 always starts a piece, whatever the first id."""
+  seg = np.array([[0, 0, 1, 1, 0, 2]], np.int32)
+  np.testing.assert_array_equal(segments.starts(seg),
+                                [[1, 0, 1, 0, 1, 1]])
+  np.testing.assert_array_equal(segments.piece_ids(seg),
+                                [[1, 1, 2, 2, 3, 4]])
+  np.testing.assert_array_equal(segments.offsets(seg),
+                                [[0, 1, 0, 1, 0, 0]])
+  np.testing.assert_array_equal(segments.resets(seg),
+                                [[0, 0, 0, 0, 0, 1]])
