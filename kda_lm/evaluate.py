@@ -37,11 +37,6 @@ from data import packing, pipeline
 from kda_lm import losses, runs
 from kda_lm import model as model_lib
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "The training run directory.")
-_NUM_DOCS = flags.DEFINE_integer(
-    "num_docs", None, "Evaluate only the first N validation documents "
-    "(all three ways); default the whole split.")
-
 Batch = Mapping[str, np.ndarray]
 
 
@@ -215,5 +210,12 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Flags exist only in the program, so that importing the module (tests,
+  # other tools with flags of the same names) defines none.
+  _WORKDIR = flags.DEFINE_string("workdir", None,
+                                 "The training run directory.")
+  _NUM_DOCS = flags.DEFINE_integer(
+      "num_docs", None, "Evaluate only the first N validation documents "
+      "(all three ways); default the whole split.")
   flags.mark_flags_as_required(["workdir"])
   app.run(main)

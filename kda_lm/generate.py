@@ -29,26 +29,6 @@ import kda_lm  # noqa: F401  # isort: skip  (first: XLA:CPU flags)
 from data import tokenizer as tokenizer_lib
 from kda_lm import decoding, runs
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "The training run directory.")
-_PROMPT = flags.DEFINE_string(
-    "prompt", None, "Text (text_files runs) or token ids; unset on a "
-    "delayed-copy run: measure copy accuracy on validation documents.")
-_MAX_NEW = flags.DEFINE_integer(
-    "max_new_tokens", 64, "Tokens to generate after --prompt.")
-_MAX_LEN = flags.DEFINE_integer(
-    "max_len", None, "Cache slots per row (prompt + continuation); default "
-    "exactly what is needed.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the k likeliest (0 = all).")
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus probability (1 = off).")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
-_END_TOKEN = flags.DEFINE_integer("end_token", None,
-                                  "Stop a row after this token id.")
-_NUM_DOCS = flags.DEFINE_integer(
-    "num_docs", 64, "Copy accuracy: validation documents to continue.")
-_BATCH = flags.DEFINE_integer("batch_size", 16,
-                              "Copy accuracy: documents per batch.")
-
 
 def text_codec(run: runs.Run) -> Optional[tokenizer_lib.TextCodec]:
   """The run's text codec (bytes or its BPE, checked against the SHA-256
@@ -102,7 +82,9 @@ def _sampling() -> decoding.SamplingConfig:
 
 
 def continue_prompt(run: runs.Run, prompt: str, max_new_tokens: int,
-                    max_len: Optional[int]) -> str:
+                    max_len: Optional[int], *,
+                    sampling: decoding.SamplingConfig,
+                    end_token: Optional[int] = None) -> str:
   """The continuation of `prompt`, formatted."""
   codec = text_codec(run)
   ids = parse_prompt(prompt, codec)
@@ -113,7 +95,7 @@ def continue_prompt(run: runs.Run, prompt: str, max_new_tokens: int,
   decoder = decoding.Decoder(run.config.model, max_len)
   out = decoding.generate(
       decoder, run.params, [ids], max_new_tokens=max_new_tokens,
-      sampling=_sampling(), end_token=_END_TOKEN.value,
+      sampling=sampling, end_token=end_token,
       progress=functools.partial(_progress, rows=1))
   return format_tokens(out[0], codec)
 
@@ -163,12 +145,13 @@ def copy_accuracy(run: runs.Run, num_docs: int, batch_size: int
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}.")
-  _sampling()  # Bad sampling options fail before anything is loaded.
+  sampling = _sampling()  # Bad options fail before anything is loaded.
   run = runs.load_run(_WORKDIR.value)
   print(f"Loaded {run.workdir} at step {run.step}.", file=sys.stderr)
   if _PROMPT.value is not None:
     print(continue_prompt(run, _PROMPT.value, _MAX_NEW.value,
-                          _MAX_LEN.value))
+                          _MAX_LEN.value, sampling=sampling,
+                          end_token=_END_TOKEN.value))
     return
   if run.config.data.name != "delayed_copy":
     raise app.UsageError("--prompt is required: this run is not a "
@@ -179,5 +162,29 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  # Flags exist only in the program, so that importing the module (tests,
+  # other tools with flags of the same names) defines none.
+  _WORKDIR = flags.DEFINE_string("workdir", None,
+                                 "The training run directory.")
+  _PROMPT = flags.DEFINE_string(
+      "prompt", None, "Text (text_files runs) or token ids; unset on a "
+      "delayed-copy run: measure copy accuracy on validation documents.")
+  _MAX_NEW = flags.DEFINE_integer(
+      "max_new_tokens", 64, "Tokens to generate after --prompt.")
+  _MAX_LEN = flags.DEFINE_integer(
+      "max_len", None, "Cache slots per row (prompt + continuation); "
+      "default exactly what is needed.")
+  _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
+  _TOP_K = flags.DEFINE_integer("top_k", 0,
+                                "Keep the k likeliest (0 = all).")
+  _TOP_P = flags.DEFINE_float("top_p", 1.0,
+                               "Nucleus probability (1 = off).")
+  _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+  _END_TOKEN = flags.DEFINE_integer("end_token", None,
+                                    "Stop a row after this token id.")
+  _NUM_DOCS = flags.DEFINE_integer(
+      "num_docs", 64, "Copy accuracy: validation documents to continue.")
+  _BATCH = flags.DEFINE_integer("batch_size", 16,
+                                "Copy accuracy: documents per batch.")
   flags.mark_flags_as_required(["workdir"])
   app.run(main)

@@ -217,6 +217,13 @@ def test_bit_flipped_checkpoint_falls_back_to_previous(tmp_path, caplog):
   _flip_bytes(_largest_file(os.path.join(directory, "2")))
   with pytest.raises(checkpointing.CorruptCheckpointError, match="SHA-256"):
     checkpointing.verify_manifest(os.path.join(directory, "2"))
+  _assert_restores_step_1_and_sets_2_aside(directory, caplog)
+  assert "SHA-256" in caplog.text and "/2" in caplog.text
+
+
+def _assert_restores_step_1_and_sets_2_aside(directory, caplog):
+  """The restore of steps [1, 2] with step 2 damaged: step 1 comes back,
+  the data position with it, and step 2 is moved aside."""
   manager = checkpointing.CheckpointManager(directory)
   iterator = FakeIterator()
   with caplog.at_level(logging.WARNING):
@@ -224,7 +231,6 @@ def test_bit_flipped_checkpoint_falls_back_to_previous(tmp_path, caplog):
   manager.close()
   assert_trees_equal(restored, make_state(step=1, seed=1))
   assert iterator.position == 1
-  assert "SHA-256" in caplog.text and "/2" in caplog.text
   assert any(n.startswith("unreadable-2-") for n in os.listdir(directory))
 
 
@@ -294,17 +300,10 @@ def test_deleted_or_added_file_is_named_by_the_manifest_check(
   assert str(info.value) == message
   # The restore sets step 2 aside for that reason (at the manifest check,
   # before any read) and falls back to step 1.
-  manager = checkpointing.CheckpointManager(directory)
-  iterator = FakeIterator()
-  with caplog.at_level(logging.WARNING):
-    restored = manager.restore(abstract(), iterator)
-  manager.close()
-  assert_trees_equal(restored, make_state(step=1, seed=1))
-  assert iterator.position == 1
+  _assert_restores_step_1_and_sets_2_aside(directory, caplog)
   skipped = [r.getMessage() for r in caplog.records
              if r.getMessage().startswith("Skipping checkpoint")]
   assert len(skipped) == 1, skipped
   assert skipped[0].endswith(
       f"/2: it is unreadable or damaged (CorruptCheckpointError: "
       f"{message}).")
-  assert any(n.startswith("unreadable-2-") for n in os.listdir(directory))

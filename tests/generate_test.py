@@ -9,11 +9,8 @@ documents of delay 1 (one repeated token) that is a perfect copier; on delay
 3 it is right exactly where a document repeats its last prompt token.
 """
 
-import ast
 import functools
-import importlib.util
 
-from absl import flags
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -22,40 +19,10 @@ import pytest
 
 from configs import ling3_tiny
 from data import tokenizer as tokenizer_lib
+from kda_lm import generate, runs
 from kda_lm import model as model_lib
-from kda_lm import runs
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
-
-
-def import_cli_module(name):
-  """Imports the module `name`, whose absl flags share names with other
-  modules' (`kda_lm.evaluate` and `experiments.reset_study` also define
-  `--workdir`, `--num_docs`...), in a pytest process that may import those
-  too, before or after it.
-
-  The flags of those names already defined are marked overridable, and so
-  are the module's own once defined: whichever module comes last redefines
-  them instead of raising `DuplicateFlagError`. Tests call the modules'
-  functions, never their `main`, so no flag value is read.
-  """
-  path = importlib.util.find_spec(name).origin
-  with open(path, encoding="utf-8") as f:
-    tree = ast.parse(f.read())
-  names = {node.args[0].value for node in ast.walk(tree)
-           if isinstance(node, ast.Call)
-           and isinstance(node.func, ast.Attribute)
-           and node.func.attr.startswith("DEFINE_") and node.args
-           and isinstance(node.args[0], ast.Constant)}
-  for flag in names & set(flags.FLAGS):
-    flags.FLAGS[flag].allow_override = True
-  module = importlib.import_module(name)
-  for flag in names:
-    flags.FLAGS[flag].allow_override = True
-  return module
-
-
-generate = import_cli_module("kda_lm.generate")
 
 VOCAB = 16
 
