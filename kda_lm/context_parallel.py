@@ -275,19 +275,18 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
         cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, **op_kwargs)
   B, T, H, K = q.shape
   n, impl = _check_kda(B, T, cu_seqlens, op_kwargs.get("impl", "auto"))
-  # Pallas calls declare outputs without varying-axis types: no vma check
-  # (shard_map then psums the cotangents of replicated inputs itself).
-  check_vma = impl != "pallas"
   if n == 1:
-    # The op's scans start from an unvarying zero state when none is
-    # given: no vma check here (cotangents of replicated inputs are still
-    # summed over the devices).
-    check_vma = False
+    # No vma check: the op's scans start from an unvarying zero state when
+    # none is given (shard_map still sums the cotangents of replicated
+    # inputs over the devices).
     optional = dict(segment_ids=segment_ids, initial_state=initial_state,
                     A_log=A_log, dt_bias=dt_bias)
     return _kda_rows(q, k, v, g, beta,
                      {k_: a for k_, a in optional.items() if a is not None},
-                     output_final_state, op_kwargs, check_vma)
+                     output_final_state, op_kwargs, check_vma=False)
+  # Pallas calls declare outputs without varying-axis types: no vma check
+  # (shard_map then psums the cotangents of replicated inputs itself).
+  check_vma = impl != "pallas"
   V = v.shape[-1]
   ids = (jnp.ones((B, T), jnp.int32) if segment_ids is None
          else segment_ids.astype(jnp.int32))
