@@ -11,6 +11,7 @@ documents of delay 1 (one repeated token) that is a perfect copier; on delay
 
 import functools
 
+import evaluate_test
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -29,12 +30,8 @@ VOCAB = 16
 
 def tiny_config(delay):
   config = ling3_tiny.get_config()
-  m = config.model
-  m.d_model, m.num_heads, m.head_dim = 32, 2, 8
-  m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim = 16, 8, 4
-  m.v_head_dim, m.mlp_hidden_dim = 8, 32
-  m.attention_pattern, m.num_experts, m.num_mtp_layers = "KM", 0, 0
-  m.kda_chunk_size, m.vocab_size = 16, VOCAB
+  m = evaluate_test.tiny_model_config(config.model)
+  m.num_mtp_layers, m.vocab_size = 0, VOCAB
   config.data.delay = delay
   return config
 
