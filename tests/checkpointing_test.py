@@ -1,9 +1,11 @@
 """Tests of kda_lm.checkpointing: round trip, partial and corrupt saves."""
 
+import hashlib
 import json
 import logging
 import os
 import shutil
+import types
 from typing import Any, NamedTuple
 
 import jax
@@ -307,3 +309,251 @@ def test_deleted_or_added_file_is_named_by_the_manifest_check(
   assert skipped[0].endswith(
       f"/2: it is unreadable or damaged (CorruptCheckpointError: "
       f"{message}).")
+
+
+# The manifest on plain directories (no Orbax): what it lists, each way a
+# file can differ from it, and the message naming the first such file.
+
+
+def _make_step_dir(root) -> str:
+  """A step-like directory with files sorting before and after
+  `manifest.json`, one nested, one over 256 bytes."""
+  step_dir = os.path.join(str(root), "7")
+  os.makedirs(os.path.join(step_dir, "state", "d"))
+  for rel, data in (("a.bin", b"abc"), ("state/d/x.bin", bytes(range(256)) * 2),
+                    ("z.txt", b"")):
+    with open(os.path.join(step_dir, rel), "wb") as f:
+      f.write(data)
+  return step_dir
+
+
+def test_manifest_lists_every_file_with_its_size_and_sha256(tmp_path):
+  step_dir = _make_step_dir(tmp_path)
+  checkpointing.write_manifest(step_dir)
+  checkpointing.write_manifest(step_dir)     # Not listing itself.
+  want = {"files": {
+      rel: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+      for rel, data in (("a.bin", b"abc"),
+                        ("state/d/x.bin", bytes(range(256)) * 2),
+                        ("z.txt", b""))}}
+  with open(os.path.join(step_dir, checkpointing.MANIFEST_FILE)) as f:
+    assert f.read() == json.dumps(want, indent=1, sort_keys=True)
+  assert sorted(os.listdir(step_dir)) == [
+      "a.bin", checkpointing.MANIFEST_FILE, "state", "z.txt"]
+  assert checkpointing.verify_manifest(step_dir) is True
+
+
+def test_step_without_manifest_is_not_verified(tmp_path):
+  assert checkpointing.verify_manifest(_make_step_dir(tmp_path)) is False
+
+
+def _rewrite(path: str, data: bytes) -> None:
+  with open(path, "wb") as f:
+    f.write(data)
+
+
+@pytest.mark.parametrize("rel,data,message", [
+    ("a.bin", b"abcd", "a.bin has 4 bytes, the manifest says 3"),
+    ("a.bin", b"ab", "a.bin has 2 bytes, the manifest says 3"),
+    ("state/d/x.bin", bytes(range(256)) * 2 + b"\0",
+     "state/d/x.bin has 513 bytes, the manifest says 512"),
+    ("z.txt", b"\0", "z.txt has 1 bytes, the manifest says 0"),
+])
+def test_a_file_of_another_size_is_named(tmp_path, rel, data, message):
+  step_dir = _make_step_dir(tmp_path)
+  checkpointing.write_manifest(step_dir)
+  _rewrite(os.path.join(step_dir, rel), data)
+  with pytest.raises(checkpointing.CorruptCheckpointError) as info:
+    checkpointing.verify_manifest(step_dir)
+  assert str(info.value) == message
+
+
+@pytest.mark.parametrize("higher", [True, False])
+def test_a_file_with_other_bytes_of_the_same_size_is_named(tmp_path, higher):
+  """Changed bytes whose SHA-256 sorts after, or before, the saved one."""
+  step_dir = _make_step_dir(tmp_path)
+  checkpointing.write_manifest(step_dir)
+  saved = hashlib.sha256(b"abc").hexdigest()
+  data = next(d for d in (bytes([i, 98, 99]) for i in range(256))
+              if (hashlib.sha256(d).hexdigest() > saved) == higher
+              and d != b"abc")
+  _rewrite(os.path.join(step_dir, "a.bin"), data)
+  with pytest.raises(checkpointing.CorruptCheckpointError) as info:
+    checkpointing.verify_manifest(step_dir)
+  assert str(info.value) == (
+      "a.bin does not match its SHA-256 in the manifest (its bytes changed "
+      "after the save)")
+
+
+def test_the_first_of_several_differences_is_named(tmp_path):
+  step_dir = _make_step_dir(tmp_path)
+  checkpointing.write_manifest(step_dir)
+  os.remove(os.path.join(step_dir, "z.txt"))
+  _rewrite(os.path.join(step_dir, "state", "b.bin"), b"new")
+  with pytest.raises(checkpointing.CorruptCheckpointError,
+                     match="^state/b.bin is not in the manifest$"):
+    checkpointing.verify_manifest(step_dir)
+  os.remove(os.path.join(step_dir, "state", "b.bin"))
+  with pytest.raises(checkpointing.CorruptCheckpointError,
+                     match="^z.txt is missing$"):
+    checkpointing.verify_manifest(step_dir)
+
+
+# The restore's fallback, step by step.
+
+
+class OtherProcess:
+  """`jax` as seen by process 1 of a multi-process run."""
+
+  def __getattr__(self, name):
+    return getattr(jax, name)
+
+  def process_index(self):
+    return 1
+
+
+def test_set_aside_moves_the_step_or_says_why_not(tmp_path, monkeypatch,
+                                                  caplog):
+  directory = str(tmp_path / "ckpt")
+  save_steps(directory, [7, 8])
+  manager = checkpointing.CheckpointManager(directory)
+  monkeypatch.setattr(checkpointing, "time", types.SimpleNamespace(
+      time=lambda: 1234.5))
+
+  def messages():
+    return [r.getMessage() for r in caplog.records
+            if r.pathname == checkpointing.__file__]
+
+  with caplog.at_level(logging.WARNING):
+    manager._set_aside(7)
+  target = os.path.join(directory, "unreadable-7-1234")
+  assert messages() == [f"Moved the unreadable checkpoint to {target}."]
+  assert checkpointing.verify_manifest(target)
+  assert manager.all_steps() == [8]
+  caplog.clear()
+  os.makedirs(os.path.join(directory, "7", "x"))
+  with caplog.at_level(logging.WARNING):
+    manager._set_aside(7)      # The target exists and is not empty.
+  assert len(messages()) == 1
+  assert messages()[0].startswith(
+      f"Could not move the unreadable checkpoint {directory}/7: ")
+  monkeypatch.setattr(checkpointing, "jax", OtherProcess())
+  manager._set_aside(8)        # Only process 0 moves files.
+  assert os.path.isdir(os.path.join(directory, "8"))
+  assert not [n for n in os.listdir(directory) if n.startswith("unreadable-8")]
+  manager.close()
+
+
+def test_only_process_0_writes_the_manifest(tmp_path, monkeypatch):
+  directory = str(tmp_path / "ckpt")
+  manager = checkpointing.CheckpointManager(directory)
+  monkeypatch.setattr(checkpointing, "jax", OtherProcess())
+  manager.save(1, make_state(step=1))
+  manager.close()
+  assert not os.path.exists(
+      os.path.join(directory, "1", checkpointing.MANIFEST_FILE))
+
+
+def test_failed_wait_names_path_and_os_reason(tmp_path, monkeypatch):
+  directory = str(tmp_path / "ckpt")
+  manager = checkpointing.CheckpointManager(directory)
+  manager.save(1, make_state(step=1))
+
+  def full_disk(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(manager._manager, "wait_until_finished", full_disk)
+  with pytest.raises(checkpointing.CheckpointSaveError,
+                     match=f"{directory}/1 failed: OSError: .*No space"):
+    manager.wait_until_finished()
+  monkeypatch.undo()
+  manager.close()
+
+
+def test_step_without_manifest_restores_with_a_warning(tmp_path, caplog):
+  directory = str(tmp_path / "ckpt")
+  save_steps(directory, [1, 2])
+  os.remove(os.path.join(directory, "2", checkpointing.MANIFEST_FILE))
+  manager = checkpointing.CheckpointManager(directory)
+  with caplog.at_level(logging.WARNING):
+    restored = manager.restore(abstract())
+    assert caplog.messages == [
+        f"Checkpoint {directory}/2 has no manifest (the process stopped "
+        "right after saving it): not verified."]
+    caplog.clear()
+    assert int(manager.restore(abstract(), step=1).step) == 1
+    assert not caplog.messages             # Verified: nothing to say.
+  manager.close()
+  assert int(restored.step) == 2
+
+
+def test_a_requested_step_is_never_replaced(tmp_path):
+  directory = str(tmp_path / "ckpt")
+  save_steps(directory, [1, 2])
+  _flip_bytes(_largest_file(os.path.join(directory, "2")))
+  manager = checkpointing.CheckpointManager(directory)
+  with pytest.raises(checkpointing.CorruptCheckpointError, match="SHA-256"):
+    manager.restore(abstract(), step=2)
+  with pytest.raises(FileNotFoundError,
+                     match=r"No complete checkpoint of step 3 in .*\[1, 2\]"):
+    manager.restore(abstract(), step=3)
+  with pytest.raises(TypeError):            # `step` is keyword-only.
+    manager.restore(  # pylint: disable=too-many-function-args
+        abstract(), None, 2)
+  assert manager.all_steps() == [1, 2]      # Nothing set aside.
+  manager.close()
+
+
+def test_every_step_damaged_restores_nothing(tmp_path, caplog):
+  directory = str(tmp_path / "ckpt")
+  save_steps(directory, [1, 2, 3])
+  for step in (1, 3):
+    _flip_bytes(_largest_file(os.path.join(directory, str(step))))
+  shutil.rmtree(os.path.join(directory, "2", checkpointing.STATE_ITEM))
+  manager = checkpointing.CheckpointManager(directory)
+  with caplog.at_level(logging.WARNING):
+    assert manager.restore(abstract(), FakeIterator()) is None
+  skipped = [m for m in caplog.messages if m.startswith("Skipping")]
+  assert [m.split(":")[0] for m in skipped] == [
+      f"Skipping checkpoint {directory}/{s}" for s in (3, 2, 1)]
+  assert manager.all_steps() == []
+  manager.close()
+
+
+def test_restore_without_an_iterator_leaves_the_data_item(tmp_path):
+  directory = str(tmp_path / "ckpt")
+  save_steps(directory, [1])
+  manager = checkpointing.CheckpointManager(directory)
+  seen = []
+  restored = manager.restore(
+      abstract(), on_config=lambda step, config: seen.append(step) or True)
+  manager.close()
+  assert seen == [1] and int(restored.step) == 1
+
+
+
+def test_step_failing_to_restore_after_its_checks_falls_back(
+    tmp_path, monkeypatch, caplog):
+  """Step 2 passes the manifest and metadata checks, then its read fails:
+  step 1 comes back with its data position, and step 2 is set aside."""
+  directory = str(tmp_path / "ckpt")
+  save_steps(directory, [1, 2])
+  manager = checkpointing.CheckpointManager(directory)
+  read = manager._manager.restore
+
+  def failing_read(step, *args, **kwargs):
+    if step == 2:
+      raise OSError("read error")
+    return read(step, *args, **kwargs)
+
+  monkeypatch.setattr(manager._manager, "restore", failing_read)
+  iterator = FakeIterator()
+  with caplog.at_level(logging.WARNING):
+    restored = manager.restore(abstract(), iterator)
+  monkeypatch.undo()
+  manager.close()
+  assert_trees_equal(restored, make_state(step=1, seed=1))
+  assert iterator.position == 1
+  assert f"{directory}/2: restoring it failed (OSError: read error)." in (
+      caplog.text)
+  assert any(n.startswith("unreadable-2-") for n in os.listdir(directory))
