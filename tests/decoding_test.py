@@ -322,3 +322,84 @@ def test_wrong_samplers_are_caught_by_the_frequency_test():
           wrong[order[:n]] = base[order[:n]]
           if wrong.sum() > 0:
             assert _caught(right, wrong / wrong.sum()), ((t, k, p), n)
+
+
+# The sampler at its edges, eagerly, with `jax.random.categorical` replaced
+# by a recorder: which logits reach the draw.
+
+
+def _logits_drawn_from(monkeypatch, logits_BW, **options):
+  seen = []
+
+  def categorical(key, logits, axis=-1):
+    del key
+    seen.append(np.asarray(logits, np.float64))
+    return jnp.argmax(logits, axis=axis)
+
+  monkeypatch.setattr(jax.random, "categorical", categorical)
+  with jax.disable_jit():
+    decoding.sample_logits(jnp.asarray(logits_BW, jnp.float32),
+                           jax.random.key(0), **options)
+  assert len(seen) == 1
+  return seen[0]
+
+
+def test_sampler_greedy_picks_each_rows_argmax():
+  """Greedy is the default; options after the rng are keyword-only."""
+  logits = jnp.asarray([[0.0, 5.0, 1.0], [3.0, -1.0, 2.0],
+                        [-2.0, -3.0, -1.0]], jnp.bfloat16)
+  picks = decoding.sample_logits(logits, jax.random.key(0))
+  assert picks.dtype == jnp.int32 and picks.tolist() == [1, 0, 2]
+  # Close logits: any sampling would draw the others too.
+  close = jnp.broadcast_to(jnp.asarray([0.0, 0.2, 0.1]), (256, 3))
+  assert set(decoding.sample_logits(close, jax.random.key(1)).tolist()) == {1}
+  with pytest.raises(TypeError):
+    decoding.sample_logits(  # pylint: disable=too-many-function-args
+        close, jax.random.key(1), 1.0)
+
+
+def test_sampler_top_p_1_keeps_even_unlikely_tokens(monkeypatch):
+  """At top_p = 1 there is no nucleus: a token whose probability rounds
+  to nothing next to the rest (the probability before it sums to 1.0 in
+  float32) is still drawn from."""
+  drawn = _logits_drawn_from(monkeypatch, [[0.0, -40.0, 1.0]],
+                             temperature=1.0, top_p=1.0)
+  np.testing.assert_array_equal(drawn, [[0.0, -40.0, 1.0]])
+
+
+def test_sampler_nucleus_reached_exactly_stops_there(monkeypatch):
+  """top_p equal to the probability of the two likeliest tokens (as the
+  sampler sums it in float32): the third is not needed."""
+  logits = jnp.asarray([[2.0, 0.5, 1.0, -1.0]], jnp.float32)
+  with jax.disable_jit():
+    sorted_ = jnp.sort(logits, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_, axis=-1)
+    before = np.asarray(jnp.cumsum(probs, axis=-1) - probs)
+  top_p = float(before[0, 2])
+  assert 0.8 < top_p < 0.9
+  drawn = _logits_drawn_from(monkeypatch, logits, temperature=1.0,
+                             top_p=top_p)
+  assert np.isfinite(drawn).tolist() == [[True, False, True, False]]
+
+
+def test_sampler_top_k_of_the_whole_vocabulary(monkeypatch):
+  """top_k = vocabulary size (or more) keeps everything; the sampler built
+  from a config refuses a larger k and draws like `sample_logits`
+  otherwise."""
+  logits = [[0.3, 2.0, -1.0, 1.2]]
+  for top_k in (4, 5):               # (5: `sample_logits` called directly.)
+    drawn = _logits_drawn_from(monkeypatch, logits, temperature=1.0,
+                               top_k=top_k)
+    np.testing.assert_allclose(drawn, logits, rtol=1e-6)
+    monkeypatch.undo()
+  config = decoding.SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)
+  sample = decoding._sampler(config, 4)  # pylint: disable=protected-access
+  logits = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (64, 4))
+  np.testing.assert_array_equal(
+      sample(logits, jax.random.key(3)),
+      decoding.sample_logits(logits, jax.random.key(3), temperature=0.7,
+                             top_k=4, top_p=0.9))
+  with pytest.raises(ValueError,
+                     match=r"^top_k 4 exceeds the vocabulary \(3\)\.$"):
+    decoding._sampler(config, 3)  # pylint: disable=protected-access
+  decoding._sampler(config, 5)  # pylint: disable=protected-access
