@@ -76,11 +76,11 @@ def test_window_averages_its_steps_and_leaves_out_compile_and_pauses(
   window.reset()
   for step in (4, 5, 6):
     window.add(step, step_metrics(step))
-    clock.now += 1.0
+    clock.now += 1.5
   window.fetch()
   row = window.row()
   assert row["loss"] == pytest.approx(50.0)
-  assert row["tokens_per_s"] == pytest.approx(300 / 3.0)
+  assert row["tokens_per_s"] == pytest.approx(300 / 4.5)
 
 
 def test_window_of_the_first_step_alone(monkeypatch):
@@ -90,12 +90,12 @@ def test_window_of_the_first_step_alone(monkeypatch):
   monkeypatch.setattr(metrics, "time", clock)
   window = metrics.Window(tokens_per_step=100)
   window.add(1, step_metrics(1))
-  clock.now += 20.0
+  clock.now += 40.0
   window.time_first_step()
   window.fetch()
   row = window.row()
   assert row["loss"] == pytest.approx(10.0)
-  assert row["tokens_per_s"] == pytest.approx(100 / 20.0)
+  assert row["tokens_per_s"] == pytest.approx(100 / 40.0)
 
 
 # The log filter: libraries' INFO lines and TFDS warnings are dropped.
@@ -191,6 +191,12 @@ def test_disabled_writer_does_nothing(tmp_path):
   writer.close()
   assert not workdir.exists()
   assert writer.path == str(workdir / "metrics.jsonl")
+  # The options are keyword-only: a bare True is refused, not read as one.
+  with pytest.raises(TypeError):
+    metrics.MetricsWriter(  # pylint: disable=too-many-function-args
+        str(workdir), True)
+  assert metrics.MetricsWriter(workdir=str(workdir), enabled=False).path == (
+      writer.path)
 
 
 class FakeSummaryWriter:
@@ -288,8 +294,8 @@ def test_truncate_after_leaves_a_clean_file_alone(tmp_path, caplog):
   writer = metrics.MetricsWriter(str(tmp_path))
   writer.truncate_after(5)                   # No file yet.
   assert not os.path.exists(writer.path)
-  for step in (1, 2):
-    writer.write(step, {"loss": 1.0})
+  for step in range(300):                    # More rows than small ints.
+    writer.write(step // 150 + 1, {"loss": 1.0})
   with open(writer.path, "a") as f:
     f.write('{"step":  2}\n')                 # Not json.dumps's spacing.
   with open(writer.path) as f:
@@ -481,10 +487,10 @@ def test_window_two_pauses_and_no_elapsed_time(monkeypatch):
   window.add(2, step_metrics(2))
   clock.now += 5.0
   for _ in range(2):
-    with window.paused():
-      clock.now += 2.0
+    with window.paused():           # Longer than the clock's reading.
+      clock.now += 20.0
   window.fetch()
-  # 9 s, of which 4 s paused.
+  # 45 s, of which 40 s paused.
   assert window.row()["tokens_per_s"] == pytest.approx(10 / 5.0)
   window.reset()
   window.add(3, step_metrics(3))
