@@ -2,7 +2,7 @@ r"""Trains a kda-lm model: `python train.py --config=configs/ling3_tiny.py`.
 
 Rerunning the same command resumes from the newest checkpoint in --workdir.
 With `--config.mesh.distributed=True` every process runs this command with its
-own `--config.mesh.process_id` (see `kda_lm/distributed.py`).
+own `--config.mesh.process_id` (see `kda_lm/parallel/distributed.py`).
 
   python train.py --config=configs/ling3_tiny.py:kda_only \
       --config.train.num_steps=200 --workdir=/tmp/kda_only
@@ -14,7 +14,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import kda_lm  # noqa: F401  (first: sets XLA:CPU flags before JAX starts)
-from kda_lm import distributed
+from kda_lm.parallel import distributed
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
@@ -40,12 +40,13 @@ def main(argv):
   # Before anything can touch a JAX backend (config checks included).
   distributed.initialize(_CONFIG.value.get("mesh"))
   # pylint: disable=g-import-not-at-top
-  from kda_lm import metrics, training
+  from kda_lm.train import loop as train_loop
+  from kda_lm.train import metrics
   metrics.quiet_library_logs()
   workdir = _WORKDIR.value or _default_workdir(
       config_flags.get_config_filename(flags.FLAGS["config"]))
   logging.info("Config:\n%s", _CONFIG.value)
-  training.train_and_evaluate(_CONFIG.value, workdir)
+  train_loop.train_and_evaluate(_CONFIG.value, workdir)
   # After a successful run only: after a failure the other processes may
   # never reach the barrier, and JAX's own exit handler disconnects.
   distributed.shutdown()

@@ -145,7 +145,7 @@ def _first_fit(piece_len: tf.Tensor, seq_len: int):
 
 def _pack_window(batch: dict[str, Any], seq_len: int, has_mask: bool,
                  reset: bool) -> dict[str, tf.Tensor]:
-  """Packs one window of documents into rows [R, seq_len]."""
+  """Packs one window of documents into rows [B,T] (T = seq_len)."""
   tokens = _to_ragged(batch["tokens"])
   tokens = tokens.with_row_splits_dtype(tf.int32)
   tokens = tf.ragged.map_flat_values(tf.cast, tokens, tf.int32)
@@ -162,7 +162,7 @@ def _pack_window(batch: dict[str, Any], seq_len: int, has_mask: bool,
   inputs = tokens[:, :-1]
   targets = tokens[:, 1:]
   mask = mask[:, 1:]
-  lengths = inputs.row_lengths()  # int32 [K]
+  lengths = inputs.row_lengths()  # int32 [N]
 
   # Split documents into pieces of at most seq_len pairs.
   num_pieces = (lengths + seq_len - 1) // seq_len

@@ -48,9 +48,8 @@ batches so that all processes run the same number of eval steps.
 """
 
 import dataclasses
-import json
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 from absl import logging
 import ml_collections
@@ -206,18 +205,21 @@ def resolve_data_dir(config: Any, workdir: str | None = None,
   return os.path.abspath(os.path.expanduser(path))
 
 
-def resolve_config(config: ml_collections.ConfigDict, workdir: str
+def resolve_config(config: ml_collections.ConfigDict, workdir: str,
+                   recorded: Mapping[str, Any] | None = None
                    ) -> ml_collections.ConfigDict:
   """`config` (the whole run config) with the data's tokenizer recorded.
 
   For BPE `text_files` runs, builds the tokenizer if needed (once per data
   dir) and sets `config.data.tokenizer_path` and `tokenizer_sha256`, so that
   the run's `config.json` names the exact tokenizer. When the path is unset,
-  the one recorded in `<workdir>/config.json` (a run being resumed) is used.
+  the one `recorded` by a run being resumed is used.
 
   Args:
     config: the run config; not modified.
     workdir: the run directory.
+    recorded: the config a resumed run recorded (its `config.json`), or
+      None.
 
   Returns:
     A copy of `config` with the two keys filled in (unchanged otherwise).
@@ -231,7 +233,8 @@ def resolve_config(config: ml_collections.ConfigDict, workdir: str
     return config
   config = ml_collections.ConfigDict(config.to_dict())
   if not config.data.get("tokenizer_path"):
-    config.data.tokenizer_path = _recorded(workdir, "tokenizer_path")
+    config.data.tokenizer_path = (
+        (recorded or {}).get("data", {}).get("tokenizer_path") or "")
   settings = DataConfig.from_config(config.data).resolve(
       resolve_data_dir(config.data, workdir)).dataset
   config.data.tokenizer_path = settings.tokenizer_path
@@ -254,15 +257,6 @@ def token_bytes(config: Any, data_dir: str) -> np.ndarray:
     lengths[:] = 0
     lengths[:len(pieces)] = [len(p) for p in pieces]
   return lengths
-
-
-def _recorded(workdir: str, key: str) -> str:
-  """`data.<key>` of `<workdir>/config.json`, or "" (none recorded)."""
-  path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(path):
-    return ""
-  with open(path, encoding="utf-8") as f:
-    return json.load(f).get("data", {}).get(key) or ""
 
 
 def hide_gpus_from_tf() -> None:
@@ -360,10 +354,6 @@ class DataIterator:
 
   def __next__(self) -> dict[str, np.ndarray]:
     return _numpy(next(self._iterator))
-
-  @property
-  def element_spec(self) -> dict[str, tf.TensorSpec]:
-    return self.dataset.element_spec
 
   def _prefix(self, directory: str) -> str:
     return os.path.join(

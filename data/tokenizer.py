@@ -22,6 +22,7 @@ Usage:
   digest = tokenizer.sha256(out_path)
 """
 
+import hashlib
 import os
 import tempfile
 from typing import Iterable, Sequence
@@ -30,8 +31,6 @@ from absl import logging
 import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
-
-from kda_lm import workdir as workdir_lib
 
 # At most this many bytes of training files are read to learn the merges
 # (about 8 s for 4096 tokens on 2 CPU cores); the seed picks the files.
@@ -50,7 +49,10 @@ def decode_utf8(data: bytes) -> str | None:
 
 
 # The hex SHA-256 of a file, as every checksum in a run's directory.
-sha256 = workdir_lib.file_sha256
+def sha256(path: str) -> str:
+  """The hex SHA-256 of a file (identifies a tokenizer in a run's config)."""
+  with open(path, "rb") as f:
+    return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def check_vocab_size(vocab_size: int) -> None:

@@ -3,7 +3,7 @@ r"""Context parallelism: per-device memory, communication and extra FLOPs.
 For B=1 row of each length T, the ling3_tiny model's training step
 (`jax.value_and_grad` of the next-token cross-entropy over one packed row
 with segment ids) is compiled, not run, for 1, 2, 4 and 8 fake CPU devices
-on the `context` axis (`kda_lm/context_parallel.py`). From each compiled
+on the `context` axis (`kda_lm/parallel/context.py`). From each compiled
 step it reports
 
 * temp MiB: XLA's per-device temporaries (`memory_analysis()`), i.e. the
@@ -68,7 +68,8 @@ def _measure(seq_len: int, n: int) -> dict[str, float]:
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   from configs import ling3_tiny  # pylint: disable=g-import-not-at-top
-  from kda_lm import model, sharding  # pylint: disable=g-import-not-at-top
+  from kda_lm import model  # pylint: disable=g-import-not-at-top
+  from kda_lm.parallel import sharding
 
   cfg = ling3_tiny.get_config().model
   cfg.vocab_size = 256

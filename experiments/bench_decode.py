@@ -3,7 +3,7 @@ r"""Benchmarks cached decoding against recomputing the full forward.
 For each attention pattern, batch size B and prompt length P it builds the
 ling3_tiny model (random parameters; speed does not depend on them), then
 
-* cached: prefills the B prompts (`kda_lm.decoding.Decoder.prefill`) and
+* cached: prefills the B prompts (`kda_lm.infer.decoding.Decoder.prefill`) and
   times `--steps` jitted decode steps (one token per row, cache donated);
 * recompute: times the full forward over P + 1 tokens per row, what a
   decoder without a cache runs to produce each next token;
@@ -28,8 +28,8 @@ from ml_collections import config_flags
 
 import kda_lm  # noqa: F401  # isort: skip  (first: XLA:CPU flags)
 from kda_lm import config as config_lib
-from kda_lm import decoding
 from kda_lm import model as model_lib
+from kda_lm.infer import decoding
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/ling3_tiny.py", "Config file with a `model` dict.",

@@ -344,15 +344,17 @@ def check_train_step(target):
 
   # pylint: disable=g-import-not-at-top
   from kda_lm import model as model_lib
-  from kda_lm import optimizer, training
+  from kda_lm import optimizer
+  from kda_lm.checkpoint import state as state_lib
+  from kda_lm.train import step as step_lib
   config = ling3_tiny.get_config()
   mesh = _mesh(target)
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   model = model_lib.build(config.model)
   tx, schedule = optimizer.make_optimizer(config.opt, 10)
-  update = training.make_update_fn(model, tx, schedule, config.model)
+  update = step_lib.make_update_fn(model, tx, schedule, config.model)
   b, t = int(config.data.batch_size), int(config.data.seq_len)
-  init = training.make_init_fn(model, tx, t)
+  init = state_lib.make_init_fn(model, tx, t)
   abstract = jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
       jax.eval_shape(init, jax.random.PRNGKey(0)))

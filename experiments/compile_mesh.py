@@ -45,8 +45,11 @@ from configs import ling3  # noqa: E402
 import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
 from kda_lm import config as config_lib  # noqa: E402
 from kda_lm import model as model_lib  # noqa: E402
-from kda_lm import optimizer, sharding, training  # noqa: E402
+from kda_lm import optimizer  # noqa: E402
+from kda_lm.checkpoint import state as state_lib
 from kda_lm.ops.kda import api as kda_api  # noqa: E402
+from kda_lm.parallel import sharding
+from kda_lm.train import step as step_lib
 
 DEFAULT_ROWS = ["v5p:fsdp=4:4", "v5p:data=4:4", "v5p:data=2+fsdp=2:4",
                 "v5p:context=2+fsdp=2:4", "h100x4:fsdp=4:4",
@@ -148,7 +151,7 @@ def compile_step(m, mesh_config, devs, B, T, platform):
   model = model_lib.build(m)
   opt = ling3.get_config().opt
   tx, schedule = optimizer.make_optimizer(opt, 100)
-  init = training.make_init_fn(model, tx, T)
+  init = state_lib.make_init_fn(model, tx, T)
   with backend(platform):
     abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
   shardings = sharding.state_shardings(abstract, mesh)
@@ -158,7 +161,7 @@ def compile_step(m, mesh_config, devs, B, T, platform):
   batch = dict(inputs=tok, targets=tok, segment_ids=tok, positions=tok,
                loss_mask=jax.ShapeDtypeStruct((B, T), jnp.float32,
                                               sharding=rows))
-  update = jax.jit(training.make_update_fn(model, tx, schedule, m),
+  update = jax.jit(step_lib.make_update_fn(model, tx, schedule, m),
                    out_shardings=(shardings, sharding.replicated(mesh)),
                    donate_argnums=0)
   start = time.time()

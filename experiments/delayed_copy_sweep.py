@@ -9,7 +9,7 @@ accuracy >= `--target` (each run stops there, or after `--num_steps`).
 Table 2 trains the hybrid for the whole budget at `--reset_delay` on packed
 rows with `data.reset_at_document_boundaries` on (KDA state, short conv, MLA
 mask and positions restart at every document) and off (each row is one
-sequence), the RFC-0026 phase P4 comparison.
+sequence): the reset-on vs reset-off comparison.
 
 Per delay, documents are `2*delay .. 4*delay` tokens long (short documents
 are packed several to a row) and rows are `max(128, 4*delay)` tokens, with
@@ -29,7 +29,8 @@ from typing import Any
 from absl import app, flags, logging
 
 from configs import ling3_tiny
-from kda_lm import metrics, training
+from kda_lm.train import loop as train_loop
+from kda_lm.train import metrics
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/delayed_copy_sweep",
                                "Parent directory of the runs.")
@@ -104,7 +105,7 @@ def run(name: str, config: Any) -> dict[str, Any]:
   rows = metrics.read_metrics(workdir)
   if not rows:
     start = time.time()
-    training.train_and_evaluate(config, workdir)
+    train_loop.train_and_evaluate(config, workdir)
     logging.info("%s: %.0f s", name, time.time() - start)
     rows = metrics.read_metrics(workdir)
   hit = metrics.first_reaching(rows, _TARGET.value)

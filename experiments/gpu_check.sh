@@ -8,7 +8,7 @@
 #   2. benchmark: B=1, T=8192, H=16, K=V=128 bf16, segment_ids all ones and
 #      8 documents per row, pallas (IEEE and TF32 dots) vs xla, fwd and
 #      fwd+bwd, TFLOP/s and GB/s (experiments/gpu_check.py)         (<= 240 s)
-#   3. the rest of tests/kda_pallas_test.py, compiled               (<= 150 s)
+#   3. the rest of tests/ops_kda_pallas_test.py, compiled           (<= 150 s)
 #
 # Logs go to $LOG_DIR (default /tmp/kda_gpu_check).
 #
@@ -29,7 +29,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
 jax.__version__, jax.devices())" 2>&1 | tee "$LOG/env.txt"
 
 SMOKE="packed_segments or padding or head_dim_64"
-PYTEST=("$PY" -m pytest tests/kda_pallas_test.py -q -p no:cacheprovider
+PYTEST=("$PY" -m pytest tests/ops_kda_pallas_test.py -q -p no:cacheprovider
         --durations=8)
 
 echo "== 1. compiled correctness smoke"
@@ -48,7 +48,7 @@ JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 "${PYTEST[@]}" \
 rest=${PIPESTATUS[0]}
 echo "== 3b. FLA golden fixture through impl=pallas, compiled"
 JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 "$PY" -m pytest \
-  tests/kda_op_test.py -q -p no:cacheprovider -k "golden and pallas" \
+  tests/ops_kda_golden_test.py -q -p no:cacheprovider -k "golden and pallas" \
   2>&1 | tee "$LOG/tests_golden.log"
 [ "${PIPESTATUS[0]}" = 0 ] || rest=1
 

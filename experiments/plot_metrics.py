@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=g-import-not-at-top
 
-from kda_lm import metrics  # noqa: E402  pylint: disable=g-import-not-at-top
+from kda_lm.train import metrics  # noqa: E402  pylint: disable=g-import-not-at-top
 
 _OUT = flags.DEFINE_string("out", None,
                            "PNG path; default <first workdir>/metrics.png.")

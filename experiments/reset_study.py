@@ -40,8 +40,11 @@ import tensorflow as tf
 import kda_lm  # noqa: F401  # isort: skip  (first: XLA:CPU flags)
 from configs import ling3_tiny
 from data import packing, pipeline
-from kda_lm import evaluate, optimizer, training
 from kda_lm import model as model_lib
+from kda_lm import optimizer
+from kda_lm.checkpoint import state as state_lib
+from kda_lm.infer import evaluate
+from kda_lm.train import step as step_lib
 
 _STEPS = flags.DEFINE_integer("steps", 160, "Training steps per run.")
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per condition.")
@@ -82,12 +85,12 @@ class Compiled:
   """The jitted init, update and per-token loss, shared by all runs."""
 
   def __init__(self, config: ml_collections.ConfigDict, steps: int):
-    cfg = training.check_config(config)
+    cfg = state_lib.check_config(config)
     model = model_lib.build(cfg.model)
     tx, schedule = optimizer.make_optimizer(cfg.opt, steps)
-    self.init = jax.jit(training.make_init_fn(model, tx, cfg.data.seq_len))
+    self.init = jax.jit(state_lib.make_init_fn(model, tx, cfg.data.seq_len))
     self.update = jax.jit(
-        training.make_update_fn(model, tx, schedule, cfg.model),
+        step_lib.make_update_fn(model, tx, schedule, cfg.model),
         donate_argnums=0)
 
     def token_loss(params: hk.Params, batch: Any) -> jax.Array:
@@ -118,7 +121,7 @@ def train(compiled: Compiled, setting: Setting, seed: int, reset: bool
   losses = []
   for step in range(1, setting.steps + 1):
     batch = next(it)
-    training.check_batch(batch, compiled.vocab_size, "a study batch")
+    step_lib.check_batch(batch, compiled.vocab_size, "a study batch")
     state, metrics = compiled.update(state, batch)
     losses.append(metrics["loss"])
     if step % 50 == 0:

@@ -158,7 +158,7 @@ def _int_at_least(obj: Any, section: str, low: int, *names: str) -> None:
 class ModelConfig:
   """The hybrid decoder's shape (`kda_lm.model.build`), validated.
 
-  Dimensions use the glossary of `kda_lm/model.py`. None defaults are
+  Dimensions use the letters of docs/glossary.md. None defaults are
   resolved in `__post_init__` (the resolved value is what the model reads).
   """
   # Token ids lie in [0, vocab_size).
@@ -428,7 +428,7 @@ class MeshConfig:
   # Devices each parameter is sharded over.
   fsdp: int = 1
   # Context parallelism: devices each row's tokens are split over (T must
-  # be a multiple); see kda_lm/context_parallel.py. May change on resume.
+  # be a multiple); see kda_lm/parallel/context.py. May change on resume.
   context: int = 1
   # jax.distributed.initialize (multi-host).
   distributed: bool = False

@@ -1,10 +1,11 @@
-"""Losses of the training and eval steps: masked next-token cross-entropy
-and the segment-aware multi-token-prediction loss.
+"""Losses of the training and eval steps: masked next-token cross-entropy,
+the segment-aware multi-token-prediction loss, and the one eval step that
+training and `kda_lm.infer.evaluate` share.
 
-Shape glossary: see `kda_lm/model.py` (B rows, T tokens, W vocabulary).
+Shapes as docs/glossary.md (B rows, T tokens, W vocabulary).
 """
 
-from typing import Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -54,3 +55,38 @@ def mtp_loss(mtp_logits: jax.Array, batch: Batch) -> jax.Array:
         mtp_logits[k - 1].astype(jnp.float32), targets)
     losses.append((ce * mask).sum() / jnp.maximum(mask.sum(), 1.0))
   return jnp.mean(jnp.stack(losses))
+
+
+def apply_batch(model: Any, params: Any, batch: Batch,
+                return_aux: bool = False) -> Any:
+  """The model (`kda_lm.model.build`) on a packed batch: its `inputs`,
+  `segment_ids` and `positions` (`data.packing.FEATURES`)."""
+  return model.apply(params, batch["inputs"],
+                     segment_ids=batch["segment_ids"],
+                     positions=batch["positions"], return_aux=return_aux)
+
+
+def make_eval_step(model: Any, token_bytes: Optional[Any] = None
+                   ) -> Callable[[Any, Batch], jax.Array]:
+  """`eval_step(params, batch) -> [loss_sum, correct, weight, bytes]`.
+
+  The sums are over the batch's `loss_mask`-weighted targets; `bytes`
+  counts the UTF-8 bytes the scored targets stand for, for bits per byte.
+
+  Args:
+    model: the `hk.Transformed` model.
+    token_bytes: float `[W]` bytes per token id (`pipeline.token_bytes`);
+      None counts one byte per scored token.
+  """
+  nbytes_W = (None if token_bytes is None
+              else jnp.asarray(token_bytes, jnp.float32))
+
+  def eval_step(params, batch):
+    loss_sum, correct, weight = loss_terms(
+        apply_batch(model, params, batch), batch)
+    mask = batch["loss_mask"].astype(jnp.float32)
+    byte_count = weight if nbytes_W is None else (
+        nbytes_W[batch["targets"]] * mask).sum()
+    return jnp.stack([loss_sum, correct, weight, byte_count])
+
+  return eval_step

@@ -1,18 +1,7 @@
 r"""The hybrid Ling 3.0 / Kimi Linear style decoder (KDA + MLA), in Haiku.
 
-Shape glossary (one meaning per letter, in every module of the package):
-
-  B  batch rows                  T  tokens per row (S: key tokens)
-  D  model width                 F  feed-forward hidden width
-  H  heads                       K  key/query head dim
-  V  value head dim              W  vocabulary size (`vocab_size`)
-  N  documents (segments)        M  tokens flattened, B*T (MoE)
-  E  routed experts              A  experts per token (top-k)
-  G  expert groups               J  short-convolution taps
-  C  chunk size (KDA)            c  sub-block rows inside a chunk
-  L  MLA compressed KV latent    Q  MLA query latent
-  R  MLA RoPE dims per head      Z  MLA non-RoPE (nope) dims, K = Z + R
-  n_chunks  chunks per row (T / C)
+Shapes: `docs/glossary.md` is the project's one shape glossary (B rows,
+T tokens, D width, W vocabulary, ...); every module names arrays by it.
 
   x = embed(tokens)                                       [B,T,D]
   for each character c of `attention_pattern` (K = KDA, M = MLA):
@@ -45,6 +34,9 @@ import numpy as np
 from kda_lm import config as config_lib
 from kda_lm import segments
 from kda_lm.layers import kda, linear, mla, mlp, moe, mtp, norm
+
+# A decode cache: one `kda.KDACache` or `mla.MLACache` per decoder layer.
+Cache = tuple
 
 
 def ling_pattern(num_layers: int, layer_group_size: int) -> str:
@@ -100,7 +92,7 @@ class DecoderBlock(hk.Module):
     """Maps `x [B,T,D]` to (`[B,T,D]`, expert load [E] or None).
 
     With a decode `cache` (the mixer's `KDACache` or `MLACache`) or a
-    prefill's `max_len` (see `kda_lm.decoding`), returns `(x, load,
+    prefill's `max_len` (see `kda_lm.infer.decoding`), returns `(x, load,
     mixer cache)`.
     """
     cfg = self.cfg
@@ -188,16 +180,25 @@ def check_tokens(tokens: Any, vocab_size: int, what: str = "tokens") -> None:
         f"[{lo}, {hi}].")
 
 
-def _check_inputs(cfg, tokens, segment_ids, positions):
-  """Validates the inputs; returns int32 (segment_ids or None, positions)."""
+def _check_inputs(cfg, tokens, segment_ids, positions, decoding):
+  """Validates the inputs once, at the model's entry.
+
+  Returns:
+    int32 (segment_ids or None, positions or None): positions are derived
+    from `segment_ids` when not given, except in a decode step, where the
+    MLA cache knows each row's position.
+  """
   _check_int_array("tokens", tokens, None)
   shape = tuple(tokens.shape)
-  if segment_ids is not None:
-    _check_int_array("segment_ids", segment_ids, shape)
-    segment_ids = segment_ids.astype(jnp.int32)
+  check_tokens(tokens, cfg.vocab_size)
+  if decoding:
+    if segment_ids is not None or positions is not None:
+      raise ValueError("A decode step (with `cache`) takes neither "
+                       "segment_ids nor positions: the cache holds them.")
+    return None, None
+  segment_ids = segments.check(segment_ids, shape)
   if positions is not None:
     _check_int_array("positions", positions, shape)
-  check_tokens(tokens, cfg.vocab_size)
   B, T = shape
   if positions is None:
     positions = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -257,11 +258,48 @@ def _mtp_layers(cfg, emb_BTD, h_BTD, head, segment_ids, positions):
   return logits, loads
 
 
+def decoder_stack(cfg: config_lib.ModelConfig, x_BTD: jax.Array,
+                  segment_ids: Optional[jax.Array],
+                  positions: Optional[jax.Array], *,
+                  cache: Optional[Cache] = None,
+                  max_len: Optional[int] = None
+                  ) -> tuple[jax.Array, list[jax.Array], Optional[Cache]]:
+  """The layers of `attention_pattern`, in one of three modes.
+
+  * training: `cache` and `max_len` None; returns no cache;
+  * prefill: `max_len` (cache slots per row) given; returns each layer's
+    cache after the prompt;
+  * decode: `cache` given (one token per row); returns the updated cache.
+
+  Returns:
+    (x [B,T,D], MoE loads [E] of the MoE layers, the cache or None).
+  """
+  with_cache = cache is not None or max_len is not None
+  loads, new_cache = [], []
+  for i, kind in enumerate(cfg.attention_pattern):
+    block = DecoderBlock(kind, cfg, cfg.is_moe_layer(i), name=f"layer_{i}")
+    if not with_cache:
+      x_BTD, load = block(x_BTD, segment_ids, positions)
+    else:
+      x_BTD, load, layer_cache = block(
+          x_BTD, segment_ids, positions,
+          cache=None if cache is None else cache[i],
+          max_len=max_len if cache is None else None)
+      new_cache.append(layer_cache)
+    if load is not None:
+      loads.append(load)
+  return x_BTD, loads, tuple(new_cache) if with_cache else None
+
+
 def forward(cfg: config_lib.ModelConfig, tokens: jax.Array,
             segment_ids: Optional[jax.Array] = None,
             positions: Optional[jax.Array] = None, *,
-            return_aux: bool = False) -> Any:
+            return_aux: bool = False, cache: Optional[Cache] = None,
+            max_len: Optional[int] = None) -> Any:
   """The decoder; call inside `hk.transform` (see `build`).
+
+  Training, prefill and decode are three modes of this one function (see
+  `decoder_stack`); `kda_lm.infer.decoding` drives the last two.
 
   Args:
     cfg: the model config.
@@ -270,7 +308,10 @@ def forward(cfg: config_lib.ModelConfig, tokens: jax.Array,
       None = one document per row.
     positions: optional [B,T] int RoPE positions. None = derived from
       `segment_ids` (0 at each document start, 0 on padding), or 0..T-1.
-    return_aux: also return a dict of auxiliary outputs.
+    return_aux: also return a dict of auxiliary outputs (training mode).
+    cache: decode mode: the cache of the previous prefill or step (one
+      `KDACache` or `MLACache` per layer); `tokens` is [B,1].
+    max_len: prefill mode: S, the cache slots per row.
 
   Returns:
     [B,T,W] float32 logits (padding rows hold finite garbage); with
@@ -278,26 +319,26 @@ def forward(cfg: config_lib.ModelConfig, tokens: jax.Array,
     [MoE layers, E] float32 (tokens routed to each expert, padding not
     counted; MTP blocks' MoE layers last) and `mtp_logits`
     [num_mtp_layers, B,T,W] float32 (layer k-1 predicts t_{i+k+1}).
+    In prefill and decode mode, `(logits, cache)`; MTP layers are not run.
 
   Raises:
     ValueError: a malformed `tokens`, or `segment_ids`/`positions` whose
       shape differs from `tokens`; concrete token ids out of range.
   """
+  with_cache = cache is not None or max_len is not None
+  if with_cache and return_aux:
+    raise ValueError("return_aux is for training mode (no cache).")
   segment_ids, positions = _check_inputs(cfg, tokens, segment_ids,
-                                         positions)
+                                         positions, cache is not None)
   pdt = jnp.dtype(cfg.param_dtype)
   emb_WD, head = embedding_and_head(cfg)
   emb_BTD = embed(cfg, emb_WD, tokens)
-  x_BTD = emb_BTD
-  loads = []
-  for i, kind in enumerate(cfg.attention_pattern):
-    x_BTD, load = DecoderBlock(kind, cfg, cfg.is_moe_layer(i),
-                               name=f"layer_{i}")(
-                                   x_BTD, segment_ids, positions)
-    if load is not None:
-      loads.append(load)
+  x_BTD, loads, cache = decoder_stack(cfg, emb_BTD, segment_ids, positions,
+                                      cache=cache, max_len=max_len)
   logits_BTW = head(norm.RMSNorm(cfg.norm_eps, pdt, name="final_norm")(
       x_BTD))
+  if with_cache:
+    return logits_BTW, cache
   if not return_aux and not (cfg.num_mtp_layers and hk.running_init()):
     return logits_BTW
   mtp_logits, mtp_loads = _mtp_layers(cfg, emb_BTD, x_BTD, head,
@@ -331,9 +372,10 @@ def build(model_config: Any) -> hk.Transformed:
   """
   cfg = config_lib.ModelConfig.from_config(model_config)
 
-  def fn(tokens, segment_ids=None, positions=None, return_aux=False):
+  def fn(tokens, segment_ids=None, positions=None, return_aux=False,
+         cache=None, max_len=None):
     return forward(cfg, tokens, segment_ids, positions,
-                   return_aux=return_aux)
+                   return_aux=return_aux, cache=cache, max_len=max_len)
 
   return hk.without_apply_rng(hk.transform(fn))
 

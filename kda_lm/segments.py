@@ -19,8 +19,50 @@ pieces included; the op's *state run* (`state_runs`) counts the state resets
 before a token, so padding shares the run of the segment before it.
 """
 
+from typing import Any, Optional
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+def check(segment_ids: Any, shape: tuple[int, ...],
+          what: str = "segment_ids") -> Optional[jax.Array]:
+  """The one validation of `segment_ids`; returns them as int32 (or None).
+
+  Every entry point that takes segment ids (the model, each layer, the op)
+  calls this and passes the result on, so the ids are checked and cast
+  once per entry.
+
+  Args:
+    segment_ids: [B,T] int ids (1-based documents, 0 = padding), or None.
+    shape: the (B, T) the ids must have.
+    what: how to name the ids in a message.
+
+  Raises:
+    ValueError: not an array, another shape, a non-integer dtype, or
+      (for concrete values) a negative id.
+  """
+  if segment_ids is None:
+    return None
+  if not hasattr(segment_ids, "shape") or not hasattr(segment_ids, "dtype"):
+    raise ValueError(f"{what} must be a [B,T] integer array, got "
+                     f"{type(segment_ids).__name__}.")
+  if tuple(segment_ids.shape) != tuple(shape):
+    raise ValueError(f"{what} must be [B,T] = {tuple(shape)}, got "
+                     f"{tuple(segment_ids.shape)}.")
+  if not jnp.issubdtype(segment_ids.dtype, jnp.integer):  # bool is not.
+    raise ValueError(f"{what} must be an integer array (int32), got dtype "
+                     f"{segment_ids.dtype}.")
+  try:
+    ids = np.asarray(segment_ids)
+  except (jax.errors.TracerArrayConversionError,
+          jax.errors.ConcretizationTypeError, RuntimeError):
+    ids = None  # Traced, or spread over other processes' devices.
+  if ids is not None and ids.size and ids.min() < 0:
+    raise ValueError(f"{what} must be >= 0 (1-based documents, 0 = "
+                     f"padding); found {ids.min()}.")
+  return jnp.asarray(segment_ids).astype(jnp.int32)
 
 
 def starts(segment_ids: jax.Array) -> jax.Array:
@@ -45,7 +87,12 @@ def resets(segment_ids: jax.Array) -> jax.Array:
 
 
 def state_runs(reset: jax.Array) -> jax.Array:
-  """Returns [B,T] int32, the number of state resets up to each token."""
+  """Returns [B,T] int32, the number of state resets up to each token.
+
+  Two tokens of a row share a recurrent state chain iff their counts are
+  equal (padding shares the count of the segment before it); the chunked
+  op and the Pallas kernels mask their intra-chunk terms with it.
+  """
   return jnp.cumsum(reset.astype(jnp.int32), axis=1)
 
 

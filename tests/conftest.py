@@ -21,7 +21,7 @@ def fast_compile():
   process keeps its unoptimised executable: a speed effect only, except
   that two programs compiled with and without optimizations may round
   differently (tests of bit-identity between programs compile both fresh,
-  e.g. `kda_op_test.py`).
+  e.g. `ops_kda_reference_test.py`).
   """
   with testing.most_optimizations_disabled():
     yield

@@ -12,7 +12,7 @@ import tensorflow as tf
 from data import delayed_copy, packing, pipeline, text_files
 from data import tokenizer as tokenizer_lib
 from kda_lm import testing
-from kda_lm import workdir as workdir_lib
+from kda_lm.checkpoint import workdir as workdir_lib
 
 SEQ_LEN = 32
 BATCH = 4
@@ -301,7 +301,8 @@ def test_resume_reloads_the_recorded_tokenizer_and_refuses_another(
   # also when the data dir (and with it the default path) moves.
   moved = ml_collections.ConfigDict(run.to_dict())
   moved.data.data_dir = str(tmp_path / "elsewhere")
-  again = pipeline.resolve_config(moved, workdir)
+  again = pipeline.resolve_config(moved, workdir,
+                                  workdir_lib.read_config(workdir))
   assert again.data.tokenizer_path == path
   assert not workdir_lib.check_resume(first.to_dict(), again.to_dict(),
                                       step=5, allow_change=False)
@@ -309,7 +310,8 @@ def test_resume_reloads_the_recorded_tokenizer_and_refuses_another(
   # Another tokenizer in its place: refused as a change of the data.
   tokenizer_lib.train_for_files(
       [str(tmp_path / "c" / "f0.txt")], vocab_size=280, seed=0, path=path)
-  changed = pipeline.resolve_config(run, workdir)
+  changed = pipeline.resolve_config(run, workdir,
+                                    workdir_lib.read_config(workdir))
   with pytest.raises(workdir_lib.ConfigChangedError,
                      match="data.tokenizer_sha256"):
     workdir_lib.check_resume(first.to_dict(), changed.to_dict(), step=5,

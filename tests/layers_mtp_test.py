@@ -11,8 +11,10 @@ import numpy as np
 import optax
 import pytest
 
-from kda_lm import config, losses, model, training
+from kda_lm import config, losses, model
+from kda_lm.checkpoint import state as state_lib
 from kda_lm.layers import moe, mtp
+from kda_lm.train import step as step_lib
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -103,8 +105,8 @@ def test_update_step_mtp_loss_and_router_bias():
            "positions": np.asarray(model.segments.positions_from_segment_ids(
                jnp.asarray(seg)))}
   tx = optax.sgd(1.0)
-  update = jax.jit(training.make_update_fn(m, tx, lambda s: 1.0, MTP_CONFIG))
-  state = training.TrainState(params, tx.init(params), jax.random.key(0),
+  update = jax.jit(step_lib.make_update_fn(m, tx, lambda s: 1.0, MTP_CONFIG))
+  state = state_lib.TrainState(params, tx.init(params), jax.random.key(0),
                               jnp.zeros((), jnp.int32))
   new, metrics = update(state, batch)
   logits, aux = apply(params, tokens, seg, return_aux=True)

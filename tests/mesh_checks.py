@@ -25,8 +25,11 @@ import numpy as np  # noqa: E402
 from configs import ling3_tiny  # noqa: E402
 from kda_lm import config as config_lib  # noqa: E402
 from kda_lm import model as model_lib  # noqa: E402
-from kda_lm import optimizer, segments, sharding, testing, training  # noqa
+from kda_lm import optimizer, segments, testing  # noqa
+from kda_lm.checkpoint import state as state_lib
 from kda_lm.ops.kda import pallas  # noqa: E402
+from kda_lm.parallel import sharding
+from kda_lm.train import step as step_lib
 
 B, T = 4, 128
 MESHES = {"fsdp4": (1, 4, 1), "data4": (4, 1, 1), "data2_fsdp2": (2, 2, 1)}
@@ -66,9 +69,9 @@ def step_errors(kda_impl, moe_impl):
   config = model_config(kda_impl, moe_impl)
   model = model_lib.build(config)
   tx, schedule = optimizer.make_optimizer(ling3_tiny.get_config().opt, 10)
-  state = training.make_init_fn(model, tx, T)(jax.random.PRNGKey(0))
+  state = state_lib.make_init_fn(model, tx, T)(jax.random.PRNGKey(0))
   cfg = config_lib.ModelConfig.from_config(config)
-  loss_fn = training._loss_fn(model, cfg)  # pylint: disable=protected-access
+  loss_fn = step_lib._loss_fn(model, cfg)  # pylint: disable=protected-access
   grad = jax.value_and_grad(loss_fn, has_aux=True)
   batch = packed_batch()
   (loss1, _), grads1 = jax.jit(grad)(state.params, batch)

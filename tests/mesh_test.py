@@ -23,8 +23,12 @@ import jax.numpy as jnp
 import pytest
 
 from configs import ling3_tiny
-from kda_lm import context_parallel, optimizer, sharding, testing, training
 from kda_lm import model as model_lib
+from kda_lm import optimizer, testing
+from kda_lm.checkpoint import state as state_lib
+from kda_lm.parallel import context as context_parallel
+from kda_lm.parallel import sharding
+from kda_lm.train import step as step_lib
 
 REPO = testing.REPO
 CHECKS = os.path.join(REPO, "tests", "mesh_checks.py")
@@ -59,8 +63,8 @@ def traced_step(kda_impl="pallas", moe_impl="megablox"):
   config.model.kda_impl, config.model.moe_impl = kda_impl, moe_impl
   model = model_lib.build(config.model)
   tx, schedule = optimizer.make_optimizer(config.opt, 10)
-  update = training.make_update_fn(model, tx, schedule, config.model)
-  state = jax.eval_shape(training.make_init_fn(model, tx, 128),
+  update = step_lib.make_update_fn(model, tx, schedule, config.model)
+  state = jax.eval_shape(state_lib.make_init_fn(model, tx, 128),
                          jax.random.PRNGKey(0))
   tok = jax.ShapeDtypeStruct((4, 128), jnp.int32)
   batch = dict(inputs=tok, targets=tok, segment_ids=tok, positions=tok,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from configs import ling3_tiny
-from kda_lm import model, optimizer
+from kda_lm import layers, model, ops, optimizer
 from kda_lm.layers import moe
 
 VOCAB, T = 32, 128
@@ -280,3 +280,31 @@ def test_packed_documents_get_their_own_rope_positions(monkeypatch):
       err = np.abs(_doc(rotated[:1], i)[0] - alone).max() / np.abs(
           alone).max()
       assert err <= 1e-5, (i, err)
+
+
+def test_every_entry_point_checks_through_segments_check():
+  """The model, each layer and the op refuse bad ids with the one rule's
+  message (float ids here), before any computation."""
+  m = tiny_config(attention_pattern="KM", d_model=16)
+  tokens = jnp.zeros((1, 10), jnp.int32)
+  bad = np.array([[1, 1, 2, 2, 2, 0, 0, 3, 3, 1]], np.float32)
+  built = model.build(m)
+  params = built.init(jax.random.key(0), tokens)
+  x = jnp.zeros((1, 10, 16))
+  calls = {
+      "model": lambda: built.apply(params, tokens, bad),
+      "op": lambda: ops.chunk_kda(*[jnp.zeros((1, 10, 2, 8))] * 4,
+                                  jnp.zeros((1, 10, 2)), segment_ids=bad),
+      "conv": lambda: hk.transform(lambda: layers.ShortConvolution(4)(
+          x, bad)).init(jax.random.key(0)),
+      "kda": lambda: hk.transform(lambda: layers.KimiDeltaAttention(2, 8)(
+          x, bad)).init(jax.random.key(0)),
+      "mla": lambda: hk.transform(lambda: layers.MultiHeadLatentAttention(
+          2, q_lora_rank=0, kv_lora_rank=8, qk_nope_head_dim=8,
+          qk_rope_head_dim=8, v_head_dim=8)(x, bad)).init(jax.random.key(0)),
+  }
+  for name, call in calls.items():
+    with pytest.raises(ValueError, match="segment_ids must be an integer "
+                       r"array \(int32\)"):
+      call()
+      pytest.fail(f"{name} accepted float segment ids")

@@ -1,8 +1,12 @@
 """Tests of kda_lm/segments.py: one segment definition for the op and layers.
 """
 
+import types
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kda_lm import segments
 from kda_lm.layers import mtp
@@ -72,3 +76,26 @@ def test_a_row_that_begins_with_padding():
                                 [[0, 1, 0, 1, 0, 0]])
   np.testing.assert_array_equal(segments.resets(seg),
                                 [[0, 0, 0, 0, 0, 1]])
+
+
+def test_check_validates_once_and_casts_to_int32():
+  """The one check of segment ids: shape, integer dtype, no negative id."""
+  assert segments.check(None, (1, 10)) is None
+  out = segments.check(SEG.astype(np.int16), (1, 10))
+  assert out.dtype == jnp.int32
+  np.testing.assert_array_equal(out, SEG)
+  np.testing.assert_array_equal(segments.check(SEG + 1, (1, 10)), SEG + 1)
+  for bad, message in ((SEG[:, :9], r"must be \[B,T\] = \(1, 10\)"),
+                       (np.ones((1, 11), np.int32), r"got \(1, 11\)"),
+                       (np.ones((2, 10), np.int32), r"got \(2, 10\)"),
+                       (types.SimpleNamespace(shape=(1, 10)), "got SimpleNamespace"),
+                       (SEG.astype(np.float32), "integer array"),
+                       (SEG.astype(bool), "integer array"),
+                       (SEG - 1, "must be >= 0"),
+                       ([[1, 2]], "integer array")):
+    with pytest.raises(ValueError, match=message):
+      segments.check(bad, (1, 10))
+  # Traced ids cannot be inspected for negatives, but shape and dtype can.
+  jax.jit(lambda s: segments.check(s, (1, 10)))(SEG)
+  with pytest.raises(ValueError, match="integer array"):
+    jax.jit(lambda s: segments.check(s, (1, 10)))(SEG.astype(np.float32))

@@ -8,7 +8,7 @@ window never reaches across a document boundary or into padding), as if each
 document had been run alone with FLA's zero left padding.
 
 Under context parallelism (a `context` mesh axis > 1, see
-`kda_lm/context_parallel.py`) each shard reads the last J-1 inputs of its
+`kda_lm/parallel/context.py`) each shard reads the last J-1 inputs of its
 left neighbour as a halo.
 
 Decoding keeps the window of the last `J-1` inputs as a cache: a prefill
@@ -23,7 +23,8 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from kda_lm import context_parallel, segments
+from kda_lm import segments
+from kda_lm.parallel import context as context_parallel
 
 
 class ShortConvolution(hk.Module):
@@ -101,10 +102,8 @@ class ShortConvolution(hk.Module):
                          f"comes without segment_ids; got "
                          f"{window.shape}.")
       x_pad = jnp.concatenate([window.astype(x.dtype), x], axis=1)
+    segment_ids = segments.check(segment_ids, (B, T))
     if segment_ids is not None:
-      if segment_ids.shape != (B, T):
-        raise ValueError(f"segment_ids must be [B,T] = {(B, T)}, got "
-                         f"{segment_ids.shape}.")
       off_BT = segments.offsets(segment_ids)
     y = x * w_JD[J - 1]
     for j in range(1, J):
@@ -129,11 +128,9 @@ class ShortConvolution(hk.Module):
                        "supported under context parallelism.")
     B, T, D = x.shape
     J = self.kernel_size
+    segment_ids = segments.check(segment_ids, (B, T))
     if segment_ids is None:
       segment_ids = jnp.ones((B, T), jnp.int32)
-    elif segment_ids.shape != (B, T):
-      raise ValueError(f"segment_ids must be [B,T] = {(B, T)}, got "
-                       f"{segment_ids.shape}.")
     b_D = None
     if self.with_bias:
       bound = J ** -0.5

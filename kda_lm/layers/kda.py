@@ -22,8 +22,8 @@ q and k are L2-normalised inside the op. Two gate variants:
 `A_log [H]` and `dt_bias [H*K]` are float32 whatever the parameter dtype and
 are not weight-decayed (`kda_lm.optimizer.weight_decay_mask`).
 
-Decoding (`kda_lm.decoding`): `return_cache=True` (a prefill) also returns a
-`KDACache` (the float32 state after each row's last token and the last
+Decoding (`kda_lm.infer.decoding`): `return_cache=True` (a prefill) also
+returns a `KDACache` (the float32 state after each row's last token and the last
 `conv_size - 1` inputs of the q, k, v short convolutions); passing `cache`
 runs the new tokens through the recurrence in closed form from it
 (`ops.kda.recurrent.recurrent_kda`) and returns the updated cache. Its size
@@ -37,9 +37,10 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from kda_lm import context_parallel
+from kda_lm import segments
 from kda_lm.layers import conv, linear, norm
 from kda_lm.ops.kda import recurrent
+from kda_lm.parallel import context as context_parallel
 
 GATES = ("ling", "kimi")
 LING_LOWER_BOUND = -5.0
@@ -250,14 +251,9 @@ def _check_inputs(x: jax.Array, segment_ids: Optional[jax.Array],
   if x.ndim != 3:
     raise ValueError(f"x must be [B,T,D], got shape {x.shape}.")
   B, T, _ = x.shape
-  if segment_ids is None:
-    return None
-  if segment_ids.shape != (B, T):
-    raise ValueError(f"segment_ids must be [B,T] = {(B, T)}, got "
-                     f"{segment_ids.shape}.")
-  if cache is not None:
+  if segment_ids is not None and cache is not None:
     raise ValueError("A KDA decode step (cache) takes no segment_ids.")
-  return segment_ids.astype(jnp.int32)
+  return segments.check(segment_ids, (B, T))
 
 
 def param_count(d_model: int, num_heads: int, head_dim: int, *,

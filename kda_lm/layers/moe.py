@@ -1,6 +1,6 @@
 r"""Bailing / DeepSeek-V3 mixture of experts with aux-loss-free balancing.
 
-Shape glossary (`kda_lm/model.py`'s): B batch rows, T tokens, M = B*T
+Shapes (docs/glossary.md): B batch rows, T tokens, M = B*T
 tokens flat, D model width, E routed experts, A experts per token (top-k),
 F expert hidden width, G groups.
 
@@ -39,9 +39,9 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from kda_lm import context_parallel
 from kda_lm.layers import mlp
 from kda_lm.ops import gmm
+from kda_lm.parallel import context as context_parallel
 
 BIAS_NAME = "e_score_correction_bias"
 

@@ -13,6 +13,7 @@ from jax.interpreters import ad
 import jax.numpy as jnp
 import numpy as np
 
+from kda_lm import segments
 from kda_lm.ops.kda import common, pallas, reference, xla
 
 IMPLS = ("auto", "reference", "xla", "pallas")
@@ -81,8 +82,15 @@ def _check_float(name, x):
 
 def _validate(q, k, v, g, beta, *, scale, initial_state, segment_ids,
               cu_seqlens, A_log, dt_bias, use_gate_in_kernel, lower_bound,
-              chunk_size):
-  """Checks every argument of `chunk_kda`; returns (B, T, H, K, V, N)."""
+              chunk_size, safe_gate):
+  """Checks every argument of `chunk_kda`.
+
+  Returns:
+    ((B, T, H, K, V, N), segment_ids as int32 or None).
+  """
+  if safe_gate and (not use_gate_in_kernel or lower_bound is None):
+    raise ValueError("safe_gate=True needs the bounded gate: "
+                     "use_gate_in_kernel=True and lower_bound in [-5, 0).")
   for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
     if not hasattr(x, "shape"):
       raise ValueError(f"{name} must be an array, got {type(x).__name__}.")
@@ -116,18 +124,7 @@ def _validate(q, k, v, g, beta, *, scale, initial_state, segment_ids,
   if segment_ids is not None and cu_seqlens is not None:
     raise ValueError("Pass segment_ids or cu_seqlens, not both.")
   N = B
-  if segment_ids is not None:
-    if not hasattr(segment_ids, "shape") or segment_ids.shape != (B, T):
-      raise ValueError(f"segment_ids must be [B,T] = {(B, T)}, got "
-                       f"{getattr(segment_ids, 'shape', type(segment_ids))}.")
-    if (not jnp.issubdtype(segment_ids.dtype, jnp.integer)
-        or segment_ids.dtype == jnp.bool_):
-      raise ValueError(f"segment_ids must be an integer array (int32), got "
-                       f"dtype {segment_ids.dtype}.")
-    ids = _concrete(segment_ids)
-    if ids is not None and ids.size and ids.min() < 0:
-      raise ValueError("segment_ids must be >= 0 (1-based documents, 0 = "
-                       f"padding); found {ids.min()}.")
+  segment_ids = segments.check(segment_ids, (B, T))
   if cu_seqlens is not None:
     cu = _concrete(cu_seqlens)
     if cu is None:
@@ -148,7 +145,7 @@ def _validate(q, k, v, g, beta, *, scale, initial_state, segment_ids,
     _check_float("initial_state", initial_state)
 
   _check_gate_args(g, A_log, dt_bias, lower_bound, use_gate_in_kernel, H, K)
-  return B, T, H, K, V, N
+  return (B, T, H, K, V, N), segment_ids
 
 
 def _check_gate_args(g, A_log, dt_bias, lower_bound, use_gate_in_kernel, H,
@@ -202,9 +199,9 @@ def _kda_core(q, k, v, g, beta, segment_ids, initial_state, A_log, dt_bias, *,
   V = v.shape[-1]
   if segment_ids is None:
     segment_ids = jnp.ones((B, T), jnp.int32)
-  segs = common.segments_from_ids(segment_ids)
+  masks = common.segments_from_ids(segment_ids)
   q, k, v, g, beta = common.canonicalize(
-      q, k, v, g, beta, segs, A_log=A_log, dt_bias=dt_bias,
+      q, k, v, g, beta, masks, A_log=A_log, dt_bias=dt_bias,
       lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
   if initial_state is None:
@@ -212,11 +209,11 @@ def _kda_core(q, k, v, g, beta, segment_ids, initial_state, A_log, dt_bias, *,
   else:
     h0 = initial_state.astype(jnp.float32)
   if impl == "reference":
-    return reference.kda_recurrent(q, k, v, g, beta, segs, h0, scale)
+    return reference.kda_recurrent(q, k, v, g, beta, masks, h0, scale)
   if impl == "pallas":
-    return pallas.kda_pallas(q, k, v, g, beta, segs, h0, scale,
+    return pallas.kda_pallas(q, k, v, g, beta, masks, h0, scale,
                              options=pallas_options)
-  return xla.kda_chunked(q, k, v, g, beta, segs, h0, scale,
+  return xla.kda_chunked(q, k, v, g, beta, masks, h0, scale,
                          chunk_size=chunk_size, safe_gate=safe_gate)
 
 
@@ -276,55 +273,49 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
     initial_state: [B,H,K,V] (or [N,H,K,V] with `cu_seqlens`) state entering
       each row's first segment (each document with `cu_seqlens`).
     output_final_state: also return the final state(s).
-    segment_ids: [B,T] int, RFC-0026: 1-based document ids, 0 = padding; the
+    segment_ids: [B,T] int, 1-based document ids, 0 = padding; the
       state resets wherever the id changes. Padding gives zero output, changes
       no state and receives zero gradients. None = one segment per row.
-    cu_seqlens: FLA's varlen form, int [N+1] from 0 to T, B must be 1; states
-      are then per document, [N,H,K,V]. Must be concrete (not traced).
+    cu_seqlens: FLA's varlen form, concrete int [N+1] from 0 to T, B = 1;
+      states are then per document, [N,H,K,V].
     A_log: [H] float32 gate parameter (with `use_gate_in_kernel`).
     dt_bias: [H*K] float32 gate bias (with `use_gate_in_kernel`; optional).
     use_gate_in_kernel: compute `g = -exp(A_log) * softplus(g + dt_bias)`, or
       with `lower_bound`, `g = lower_bound * sigmoid(exp(A_log) (g + dt_bias))`.
-    safe_gate: the gates are bounded (needs `use_gate_in_kernel` and
-      `lower_bound`), so the chunked path may factorise every decay: all
-      matmuls, no pairwise decay tensor. Same results, faster.
+    safe_gate: the gates are bounded (needs `lower_bound`), so every decay
+      factorises: all matmuls, no pairwise decay tensor. Same results.
     lower_bound: float in [-5, 0) selecting the bounded gate form.
     use_qk_l2norm_in_kernel: L2-normalise q and k (`x / sqrt(sum x^2 + 1e-6)`).
-    chunk_size: chunk length C of the chunked paths; None picks the fastest
-      for the implementation and backend (`default_chunk_size`).
+    chunk_size: chunk length C of the chunked paths; None = the fastest for
+      the implementation and backend.
     impl: "auto", "reference" (token-by-token oracle), "xla" (chunked) or
       "pallas" (fused kernels; K, V <= 256, chunk_size 64; interpret mode
       per `pallas_options`). "auto" is "pallas" on TPU/GPU (falling
       back to "xla" with a warning for unsupported shapes), "xla" on CPU.
     pallas_options: `pallas.KernelOptions` for impl "pallas" (warps, stages,
-      V block, dot precision, interpret mode); None = `pallas.
-      default_options()`, the defaults of JAX's default backend
-      (`pallas.for_platform`) with any KDA_LM_PALLAS_* environment override.
+      V block, dot precision, interpret mode); None =
+      `pallas.default_options()`.
 
   Returns:
-    `(o, final_state)`: o [B,T,H,V] in q's dtype; final_state float32
-    [B,H,K,V] ([N,H,K,V] with cu_seqlens), the state after each row's last
-    non-padding token, or None unless `output_final_state`.
+    `(o [B,T,H,V] in q's dtype, final_state)`: the float32 state after each
+    row's last non-padding token [B,H,K,V] ([N,H,K,V] with cu_seqlens), or
+    None unless `output_final_state`.
 
   Raises:
-    ValueError: on any malformed argument, before tracing; also on a
-      concrete pre-activated gate with an entry > 0 (not a log-decay). Under
-      `jit` a traced `g` cannot be inspected: positive entries there make
-      the state grow and the output overflow to inf/NaN.
+    ValueError: any malformed argument, before tracing, and a concrete
+      pre-activated gate with an entry > 0 (a traced `g` cannot be checked:
+      positive entries make the state, and the output, overflow).
     NotImplementedError: impl="pallas" with shapes it does not support.
-    TypeError: forward-mode autodiff (jax.jvp) of impl="xla" or "pallas",
-      whose backward passes are custom VJPs; use impl="reference".
+    TypeError: forward-mode autodiff (jax.jvp) of impl="xla" or "pallas"
+      (custom VJPs); use impl="reference".
   """
   requested = impl
   impl = resolve_impl(impl)
-  if safe_gate and (not use_gate_in_kernel or lower_bound is None):
-    raise ValueError("safe_gate=True needs the bounded gate: "
-                     "use_gate_in_kernel=True and lower_bound in [-5, 0).")
-  B, T, H, K, V, N = _validate(
+  (_, _, _, K, V, _), segment_ids = _validate(
       q, k, v, g, beta, scale=scale, initial_state=initial_state,
       segment_ids=segment_ids, cu_seqlens=cu_seqlens, A_log=A_log,
       dt_bias=dt_bias, use_gate_in_kernel=use_gate_in_kernel,
-      lower_bound=lower_bound, chunk_size=chunk_size)
+      lower_bound=lower_bound, chunk_size=chunk_size, safe_gate=safe_gate)
   impl, chunk_size, pallas_options = _run_settings(
       requested, impl, K, V, chunk_size, pallas_options)
   core_kwargs = dict(

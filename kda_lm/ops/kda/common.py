@@ -1,6 +1,6 @@
 """Shared pieces of every KDA implementation: gates, norms, segments.
 
-Shape glossary (batch-first, as in FLA and RFC-0026):
+Shape glossary (batch-first, as in FLA):
   B: batch rows          T: tokens per row       H: heads
   K: key/query head dim  V: value head dim       n_chunks: T / C
   C: chunk size          c: sub-block size inside a chunk (`SUB_BLOCK`)
@@ -70,18 +70,17 @@ class Segments(NamedTuple):
 
 
 def segments_from_ids(segment_ids):
-  """Builds the reset/padding masks of RFC-0026 from `segment_ids [B,T]`.
+  """Builds the reset and padding masks from int32 `segment_ids [B,T]`.
 
   The definition is `kda_lm.segments`': a segment starts at every non-padding
   token whose id differs from the previous token's id. Any layout is allowed:
   ids need not be consecutive, padding may sit between documents, and a
   document interrupted by padding is two segments.
   """
-  seg = segment_ids.astype(jnp.int32)
-  return Segments(pad=seg == 0, reset=segments.resets(seg))
+  return Segments(pad=segment_ids == 0, reset=segments.resets(segment_ids))
 
 
-def canonicalize(q, k, v, g, beta, segs, *, A_log, dt_bias, lower_bound,
+def canonicalize(q, k, v, g, beta, masks, *, A_log, dt_bias, lower_bound,
                  use_gate_in_kernel, use_qk_l2norm_in_kernel,
                  dtype=jnp.float32):
   """Casts to `dtype`, applies in-kernel gate and norm, zeroes padding.
@@ -100,7 +99,7 @@ def canonicalize(q, k, v, g, beta, segs, *, A_log, dt_bias, lower_bound,
     g = g.astype(dtype)
   v = v.astype(dtype)
   beta = beta.astype(dtype)
-  keep = ~segs.pad
+  keep = ~masks.pad
   keep4 = keep[:, :, None, None]
   zero = jnp.zeros((), dtype)
   q = jnp.where(keep4, q, zero)

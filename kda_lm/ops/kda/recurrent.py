@@ -54,13 +54,13 @@ def recurrent_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
     raise ValueError(f"initial_state must be [B,H,K,V] = {(B, H, K, V)}, "
                      f"got {initial_state.shape}.")
   no_BT = jnp.zeros((B, T), bool)
-  segs = common.Segments(pad=no_BT, reset=no_BT)
+  masks = common.Segments(pad=no_BT, reset=no_BT)
   q32, k32, v32, g32, beta32 = common.canonicalize(
-      q, k, v, g, beta, segs, A_log=A_log, dt_bias=dt_bias,
+      q, k, v, g, beta, masks, A_log=A_log, dt_bias=dt_bias,
       lower_bound=lower_bound, use_gate_in_kernel=True,
       use_qk_l2norm_in_kernel=True)
   scale = float(K ** -0.5 if scale is None else scale)
-  o, state = reference.kda_recurrent(q32, k32, v32, g32, beta32, segs,
+  o, state = reference.kda_recurrent(q32, k32, v32, g32, beta32, masks,
                                      initial_state.astype(jnp.float32),
                                      scale)
   return o.astype(q.dtype), state

@@ -1,7 +1,7 @@
 """The oracle: KDA as a token-by-token `lax.scan` in float32.
 
 Obviously correct by construction: it is the recurrence of the paper, one
-token at a time, with the RFC-0026 reset applied by an explicit `where`.
+token at a time, with the document reset applied by an explicit `where`.
 Slow, and its autodiff stores one [B,H,K,V] state per token; use it to test,
 never to train.
 """
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 
-def kda_recurrent(q, k, v, g, beta, segs, h0, scale):
+def kda_recurrent(q, k, v, g, beta, masks, h0, scale):
   """Runs the recurrence over canonical inputs (see `common`).
 
   Args:
@@ -37,6 +37,6 @@ def kda_recurrent(q, k, v, g, beta, segs, h0, scale):
     return S, o_t
 
   xs = tuple(jnp.moveaxis(x, 1, 0) for x in
-             (q, k, v, g, beta, segs.reset, segs.pad))
+             (q, k, v, g, beta, masks.reset, masks.pad))
   final, o = jax.lax.scan(step, h0, xs)
   return jnp.moveaxis(o, 0, 1), final

@@ -52,6 +52,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kda_lm import segments
 from kda_lm.ops.kda import chunk_math, common
 
 SAFE_SUB_BLOCK = 16   # c with safe gates (a sub-block decays by <= e^80)
@@ -151,7 +152,7 @@ def _chunked_bwd(cfg, res, cts):
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def kda_chunked(q, k, v, g, beta, segs, h0, scale, *, chunk_size=64,
+def kda_chunked(q, k, v, g, beta, masks, h0, scale, *, chunk_size=64,
                 safe_gate=False, group_chunks=None):
   """Chunked KDA over canonical inputs (see `common` and `reference`).
 
@@ -181,7 +182,7 @@ def kda_chunked(q, k, v, g, beta, segs, h0, scale, *, chunk_size=64,
   n_groups = -(-n_chunks // (group_chunks or GROUP_CHUNKS))
   gc = -(-n_chunks // n_groups)                              # chunks per group
   Tp = n_groups * gc * C
-  run = jnp.cumsum(segs.reset.astype(jnp.int32), axis=1)      # [B,T]
+  run = segments.state_runs(masks.reset)                        # [B,T]
   if Tp != T:  # trailing padding is transparent: zero inputs, same run
     extra = [(0, 0), (0, Tp - T)]
     pad = lambda x: jnp.pad(x, extra + [(0, 0)] * (x.ndim - 2))
@@ -202,5 +203,5 @@ def kda_chunked(q, k, v, g, beta, segs, h0, scale, *, chunk_size=64,
                       grouped(beta[..., None])[..., 0], h0, run_c, run_prev,
                       (sub, solve, bool(safe_gate)))  # o [n,B,H,gc,C,V]
   o = jnp.transpose(o, (1, 0, 3, 4, 2, 5)).reshape(B, Tp, H, V)[:, :T]
-  o = jnp.where(segs.pad[:, :, None, None], 0.0, o)
+  o = jnp.where(masks.pad[:, :, None, None], 0.0, o)
   return o, final

@@ -54,7 +54,7 @@ kernel independent columns of q, k, g, so results do not depend on
 `v_block`, `k_block` or the recurrence form (bit for bit).
 
 Lowering constraints honoured by the kernel source (checked by cross-lowering
-in tests/kda_pallas_test.py): no `cumsum`, no value slicing (Triton has no
+in tests/ops_kda_pallas_test.py): no `cumsum`, no value slicing (Triton has no
 slice lowering: sub-blocks are loaded from refs, rows and columns extracted by
 masked reductions), every in-kernel array a power of two in size and every dot
 at least 16 wide (K and V are zero-padded to powers of two >= 16), blocks of

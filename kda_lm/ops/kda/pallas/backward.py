@@ -90,14 +90,14 @@ def wy_bwd_kernel(kf_ref, v_ref, beta_ref, run_ref, p_ref, akk_ref, dvn_ref,
                     + jnp.sum(dM * akk_ref[...], axis=1, keepdims=True))
 
 
-def chunk_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref,
+def chunk_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, reset_ref,
                      daqk_ref, dqf_ref, dke_ref, dx_ref, dakk_ref, ddv_ref,
                      dq_ref, dk_ref, dg_ref, *, scale):
   """Backward, chunk n, one block of K columns: dq, dk and dg through the
   decays, given the state products of `state_bwd_kernel` and dX, dAkk of
   `wy_bwd_kernel` (`_decay_bwd`; every result is column-wise in K)."""
   ch = chunk.chunk_from_refs(
-      (q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref), scale,
+      (q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, reset_ref), scale,
       products=False)
   blocks = [hp.ref_blocks(r) for r in (dqf_ref, dke_ref, dx_ref)]
   daqk, dakk = ({(i, j): hp.pair_block(ref, i, j) for i in range(hp.NB)

@@ -12,6 +12,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
+from kda_lm import segments
 from kda_lm.ops.kda.pallas import backward, forward
 from kda_lm.ops.kda.pallas import helpers as hp
 from kda_lm.ops.kda.pallas import options as options_lib
@@ -85,20 +86,20 @@ def _params(platform, options, specs, semantics=("parallel",) * 3):
   return None
 
 
-def _per_platform(run, options):
-  """run("interpret"), or run("tpu") / run("gpu") by the lowering platform
+def _per_platform(lower, options):
+  """lower("interpret"), or lower("tpu") / lower("gpu") by the lowering platform
   (`lax.platform_dependent` lowers only the matching branch); the kernels
   are traced with `options.precision` for their dots."""
   with hp.dot_precision(options.precision):
     if options.interpret:
-      return run("interpret")
-    return lax.platform_dependent(tpu=lambda: run("tpu"),
-                                  default=lambda: run("gpu"))
+      return lower("interpret")
+    return lax.platform_dependent(tpu=lambda: lower("tpu"),
+                                  default=lambda: lower("gpu"))
 
 
 def _call(kernel, args, in_specs, out_specs, out_shape, grid, options):
   """A chunk-parallel pallas_call: Mosaic on TPU, Triton on GPU."""
-  def run(platform):
+  def lower(platform):
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=platform == "interpret",
@@ -106,7 +107,7 @@ def _call(kernel, args, in_specs, out_specs, out_shape, grid, options):
         compiler_params=_params(platform, options,
                                 list(in_specs) + list(out_specs)))(*args)
 
-  return _per_platform(run, options)
+  return _per_platform(lower, options)
 
 
 # Array kinds of the recurrences: [B,H,Tp,K] ("tok_k") and [B,H,Tp,V]
@@ -152,7 +153,7 @@ def _recurrence(step, args, names, kinds, init, final, options, *, reverse):
   out_shape = [_shape(*shapes[kinds[n]]) for n in outs]
   all_names = tuple(names) + tuple(outs)
 
-  def run(platform):
+  def lower(platform):
     if platform == "tpu" or (platform == "interpret"
                              and options.recurrence == "grid"):
       ins = [_grid_spec(kinds[n], dims, V, reverse) for n in names]
@@ -179,7 +180,7 @@ def _recurrence(step, args, names, kinds, init, final, options, *, reverse):
         name=f"{step.__name__}_loop",
         compiler_params=_params(platform, options, ins + out_specs))(*args)
 
-  return _per_platform(run, options)
+  return _per_platform(lower, options)
 
 
 class _Config(NamedTuple):
@@ -191,7 +192,7 @@ def _shape(*dims):
   return jax.ShapeDtypeStruct(dims, hp.F32)
 
 
-def _forward(cfg, q, k, v, g, beta, h0, run, rst):
+def _forward(cfg, q, k, v, g, beta, h0, run, reset):
   """The three forward kernels. Returns o, final and the residuals."""
   B, H, Tp, K = q.shape
   V = v.shape[-1]
@@ -204,7 +205,7 @@ def _forward(cfg, q, k, v, g, beta, h0, run, rst):
   square = _shape(B, H, N, hp.CHUNK, hp.CHUNK)
   w, u, qf, ke, kf, dv, aqk, akk, P = _call(
       functools.partial(forward.intra_kernel, scale=cfg.scale),
-      (q, k, v, g, beta, run, rst), tok_in,
+      (q, k, v, g, beta, run, reset), tok_in,
       [_tok(K), _tok(V), _tok(K), _tok(K), _tok(K), _per_chunk(1, K),
        _aqk_spec(), _square(), _square()],
       [tk, tv, tk, tk, tk, _shape(B, H, N, 1, K), pair, square, square],
@@ -220,7 +221,7 @@ def _forward(cfg, q, k, v, g, beta, h0, run, rst):
   return o, final, (w, ke, qf, kf, dv, aqk, akk, P, s_in, vn)
 
 
-def _backward(cfg, q, k, v, g, beta, run, rst, saved, do, dfin):
+def _backward(cfg, q, k, v, g, beta, run, reset, saved, do, dfin):
   """The five backward kernels: dq, dk, dv, dg, dbeta, dh0."""
   B, H, Tp, K = q.shape
   V = v.shape[-1]
@@ -252,7 +253,7 @@ def _backward(cfg, q, k, v, g, beta, run, rst, saved, do, dfin):
       [_tok(V), _tok(K), _square(), _tok(1)],
       [tv, tk, square, _shape(B, H, Tp, 1)], (B, H, N), opts)
   dq, dk, dg = _chunk_bwd_call(
-      cfg, (q, k, v, g, beta, run, rst, daqk, dqf, dke, dx, dakk, ddv))
+      cfg, (q, k, v, g, beta, run, reset, daqk, dqf, dke, dx, dakk, ddv))
   return dq, dk, dvv, dg, dbeta, dh0
 
 
@@ -267,7 +268,7 @@ def _chunk_bwd_call(cfg, args):
   C = hp.CHUNK
   opts = cfg.options
 
-  def run(platform):
+  def lower(platform):
     bk = K if platform == "tpu" else min(opts.k_block, K)
     tok = lambda x: pl.BlockSpec((None, None, C, x),
                                  lambda b, h, n, j: (b, h, n, 0))
@@ -288,25 +289,25 @@ def _chunk_bwd_call(cfg, args):
         compiler_params=_params(platform, opts, in_specs + out_specs,
                                 ("parallel",) * 4))(*args)
 
-  return _per_platform(run, opts)
+  return _per_platform(lower, opts)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _kda_kernels(q, k, v, g, beta, h0, run, rst, cfg):
-  o, final, _ = _forward(cfg, q, k, v, g, beta, h0, run, rst)
+def _kda_kernels(q, k, v, g, beta, h0, run, reset, cfg):
+  o, final, _ = _forward(cfg, q, k, v, g, beta, h0, run, reset)
   return o, final
 
 
-def _kda_kernels_fwd(q, k, v, g, beta, h0, run, rst, cfg):
-  o, final, saved = _forward(cfg, q, k, v, g, beta, h0, run, rst)
-  return (o, final), (q, k, v, g, beta, run, rst, saved)
+def _kda_kernels_fwd(q, k, v, g, beta, h0, run, reset, cfg):
+  o, final, saved = _forward(cfg, q, k, v, g, beta, h0, run, reset)
+  return (o, final), (q, k, v, g, beta, run, reset, saved)
 
 
 def _kda_kernels_bwd(cfg, res, cts):
-  q, k, v, g, beta, run, rst, saved = res
+  q, k, v, g, beta, run, reset, saved = res
   do, dfin = cts
-  grads = _backward(cfg, q, k, v, g, beta, run, rst, saved, do, dfin)
-  return grads + (jnp.zeros_like(run), jnp.zeros_like(rst))
+  grads = _backward(cfg, q, k, v, g, beta, run, reset, saved, do, dfin)
+  return grads + (jnp.zeros_like(run), jnp.zeros_like(reset))
 
 
 _kda_kernels.defvjp(_kda_kernels_fwd, _kda_kernels_bwd)
@@ -316,7 +317,7 @@ def _pow2(n):
   return max(16, 1 << (n - 1).bit_length())
 
 
-def kda_pallas(q, k, v, g, beta, segs, h0, scale, *, options=None):
+def kda_pallas(q, k, v, g, beta, masks, h0, scale, *, options=None):
   """Chunked KDA over canonical inputs with the Pallas kernels.
 
   Args:
@@ -345,15 +346,15 @@ def kda_pallas(q, k, v, g, beta, segs, h0, scale, *, options=None):
     x = jnp.transpose(x, (0, 2, 1, 3))
     return jnp.pad(x, ((0, 0), (0, 0), (0, Tp - T), (0, dp - d)))
 
-  run = jnp.cumsum(segs.reset.astype(jnp.int32), axis=1)
+  run = segments.state_runs(masks.reset)
   run = jnp.pad(run, ((0, 0), (0, Tp - T)), mode="edge")
-  rst = jnp.pad(segs.reset, ((0, 0), (0, Tp - T)))
+  reset = jnp.pad(masks.reset, ((0, 0), (0, Tp - T)))
   h0 = jnp.pad(h0.astype(hp.F32), ((0, 0), (0, 0), (0, Kp - K), (0, Vp - V)))
   o, final = _kda_kernels(
       head_major(q, K, Kp), head_major(k, K, Kp), head_major(v, V, Vp),
       head_major(g, K, Kp), head_major(beta[..., None], 1, 1), h0,
-      run.astype(hp.F32)[..., None], rst.astype(hp.F32)[..., None],
+      run.astype(hp.F32)[..., None], reset.astype(hp.F32)[..., None],
       _Config(scale=float(scale), options=options))
   o = jnp.transpose(o[:, :, :T, :V], (0, 2, 1, 3))
-  o = jnp.where(segs.pad[:, :, None, None], 0.0, o)
+  o = jnp.where(masks.pad[:, :, None, None], 0.0, o)
   return o, final[:, :, :K, :V]

@@ -57,7 +57,7 @@ def diag_columns(ch, body, init, blocks=tuple(range(hp.NB))):
   return lax.fori_loop(0, hp.SUB, step, init)
 
 
-def chunk_gates(q, k, v, g, beta, run, rst):
+def chunk_gates(q, k, v, g, beta, run, reset):
   """The chunk's masks and decays, X = beta k F and beta v: everything but
   the decayed products (`chunk_decays`) and the solve (`solve`). Every
   [SUB,K] result depends on its own columns of q, k and g only."""
@@ -79,7 +79,7 @@ def chunk_gates(q, k, v, g, beta, run, rst):
         acc = acc + tot[m]
       e_between[i, j] = jnp.exp(acc)
 
-  run_prev = hp.row(run[0], 0) - hp.row(rst[0], 0)     # [1,1]
+  run_prev = hp.row(run[0], 0) - hp.row(reset[0], 0)     # [1,1]
   run_last = hp.row(run[-1], hp.SUB - 1)
   total = tot[0]
   for m in range(1, hp.NB):
@@ -105,9 +105,9 @@ def chunk_gates(q, k, v, g, beta, run, rst):
                w=None, u=None)
 
 
-def chunk_decays(q, k, v, g, beta, run, rst):
+def chunk_decays(q, k, v, g, beta, run, reset):
   """`chunk_gates` and the decayed products Aqk and Akk."""
-  ch = chunk_gates(q, k, v, g, beta, run, rst)
+  ch = chunk_gates(q, k, v, g, beta, run, reset)
   q, k, same, e_row, e_col, e_between = (
       ch.q, ch.k, ch.same, ch.e_row, ch.e_col, ch.e_between)
   strict = hp.rows(hp.SUB) > hp.cols(hp.SUB)
@@ -178,12 +178,12 @@ def solve(ch):
 def chunk_from_refs(refs, scale, products=True):
   """`chunk_decays` (or `chunk_gates` without `products`) of the one chunk
   that the (chunk-sized) refs hold."""
-  q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref = refs
+  q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, reset_ref = refs
   return (chunk_decays if products else chunk_gates)(
       hp.ref_blocks(q_ref, scale), hp.ref_blocks(k_ref),
       hp.ref_blocks(v_ref) if products else None, hp.ref_blocks(g_ref),
       hp.ref_blocks(beta_ref),
-      hp.ref_blocks(run_ref), hp.ref_blocks(rst_ref))
+      hp.ref_blocks(run_ref), hp.ref_blocks(reset_ref))
 
 
 def same_blocks(run):

@@ -5,13 +5,13 @@ from kda_lm.ops.kda.pallas import chunk
 from kda_lm.ops.kda.pallas import helpers as hp
 
 
-def intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref,
+def intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, reset_ref,
                  w_ref, u_ref, qf_ref, ke_ref, kf_ref, dv_ref, aqk_ref,
                  akk_ref, p_ref, *, scale):
   """Forward, chunk n: everything that does not depend on the state (and,
   for the backward, k F, Akk and P)."""
   ch = chunk.solve(chunk.chunk_from_refs(
-      (q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, rst_ref), scale))
+      (q_ref, k_ref, v_ref, g_ref, beta_ref, run_ref, reset_ref), scale))
   hp.store_blocks(w_ref, ch.w)
   hp.store_blocks(u_ref, ch.u)
   hp.store_blocks(qf_ref, [ch.q[i] * ch.F[i] for i in range(hp.NB)])

@@ -1,0 +1,329 @@
+"""Checkpoints of the training state and the data iterator, with Orbax.
+
+With `data_item` (the iterator's handler) the only modules of kda-lm that
+import Orbax. A checkpoint of step `s` is the directory `<directory>/<s>`
+holding three items:
+
+* `state`: the `TrainState` pytree (parameters, optimizer state, rng, step),
+  written asynchronously by Orbax's `StandardCheckpointHandler`;
+* `data`: the position of the training data iterator (a `tf.train.Checkpoint`
+  of the tf.data iterator, one file set per process), written synchronously
+  at the moment of the save by a small custom handler (`data_item`);
+* `config`: the run's config as JSON, so a resume can tell whether it is
+  about to continue the same run (`kda_lm.checkpoint.workdir.check_resume`).
+
+Once a step is complete, its manifest (`manifest.py`: the size and SHA-256
+of every file of the step) is written beside it, and a
+restore verifies it: a step whose bytes changed on disk is moved aside with
+one clear line, and the previous complete step is restored instead.
+
+Orbax writes a step into a temporary directory and renames it when every item
+is complete, so a process killed mid-save leaves a
+`<s>.orbax-checkpoint-tmp-*` directory behind and never a half-written
+`<s>`. `CheckpointManager.restore` skips such leftovers (and any finalized step
+that fails to read) with a warning in favour of the newest complete step, and
+refuses a checkpoint whose parameters do not match the model with a
+`compat.IncompatibleCheckpointError` naming the parameter. A failed
+asynchronous save (a full disk, lost permissions) is raised by
+`check_for_errors` (called every step) as a `CheckpointSaveError` naming
+the step's path and the OS reason.
+
+Usage:
+
+  manager = manager_lib.CheckpointManager(
+      workdir_lib.checkpoint_dir(workdir), max_to_keep=3)
+  restored = manager.restore(jax.eval_shape(init, rng), data_iterator)
+  if restored is not None:
+    state = restored
+  ...
+  manager.save(step, state, data_iterator)   # asynchronous
+  manager.close()                             # waits for pending saves
+"""
+
+import os
+import re
+import time
+from typing import Any, Callable
+
+from absl import logging
+import jax
+import orbax.checkpoint as ocp
+
+from kda_lm.checkpoint import compat, data_item, manifest
+
+STATE_ITEM = "state"
+DATA_ITEM = "data"
+# What `_attempt` returns for a step it skipped.
+_FAILED = object()
+CONFIG_ITEM = "config"
+_TMP_PATTERN = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
+
+
+class CheckpointSaveError(OSError):
+  """An asynchronous checkpoint save failed."""
+
+
+def _root_cause(error: BaseException) -> BaseException:
+  """The innermost OSError in an exception's cause/context chain, if any."""
+  found, seen = error, set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError):
+      found = error
+    error = error.__cause__ or error.__context__
+  return found
+
+
+class CheckpointManager:
+  """Saves and restores `(TrainState, data iterator)` checkpoints.
+
+  Saves are asynchronous: `save` returns once the device arrays are copied to
+  host memory and the data iterator is written; the arrays are written in a
+  background thread. `close` (or `wait_until_finished`) waits for them.
+  """
+
+  def __init__(self, directory: str, *, max_to_keep: int | None = 3,
+               async_save: bool = True):
+    """Opens (creating it if needed) the checkpoint directory.
+
+    Args:
+      directory: checkpoint directory; made absolute.
+      max_to_keep: most recent checkpoints kept (None: all).
+      async_save: write the arrays in a background thread.
+    """
+    self.directory = os.path.abspath(os.path.expanduser(directory))
+    self._warn_about_partial_saves()
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep,
+        create=True,
+        cleanup_tmp_directories=True,
+        enable_async_checkpointing=async_save,
+    )
+    self._manager = ocp.CheckpointManager(
+        self.directory,
+        options=options,
+        item_handlers={
+            STATE_ITEM: ocp.StandardCheckpointHandler(),
+            DATA_ITEM: data_item.DataIteratorHandler(),
+            CONFIG_ITEM: ocp.JsonCheckpointHandler(),
+        },
+    )
+    self._saving: int | None = None
+
+  def _warn_about_partial_saves(self) -> None:
+    if not os.path.isdir(self.directory):
+      return
+    for name in sorted(os.listdir(self.directory)):
+      match = _TMP_PATTERN.match(name)
+      if match:
+        logging.warning(
+            "Skipping the partially written checkpoint of step %s (%s): the "
+            "process probably stopped while saving it. It will be deleted.",
+            match.group(1), os.path.join(self.directory, name))
+
+  def all_steps(self) -> list[int]:
+    """Returns the steps of the complete checkpoints, ascending."""
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    """Returns the newest complete checkpoint's step, or None."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def save(self, step: int, state: Any,
+           data_iterator: data_item.SavableIterator | None = None,
+           config: dict[str, Any] | None = None) -> bool:
+    """Starts saving `state` (and the iterator position, and the config).
+
+    The previous save is finished first (its manifest written, its errors
+    raised).
+
+    Args:
+      step: the step number (the directory name).
+      state: the `TrainState` pytree.
+      data_iterator: optional iterator with `save(dir)`/`restore(dir)`.
+      config: optional JSON-able config the state was trained with.
+
+    Returns:
+      Whether a save was started (False when `step` already exists).
+
+    Raises:
+      CheckpointSaveError: the previous asynchronous save failed.
+    """
+    self._finish_pending()
+    step = int(step)
+    if step in self._manager.all_steps():
+      logging.info("Checkpoint of step %d already exists; not saving.", step)
+      return False
+    items = {STATE_ITEM: ocp.args.StandardSave(state)}
+    if data_iterator is not None:
+      items[DATA_ITEM] = data_item.DataIteratorArgs(data_iterator)
+    if config is not None:
+      items[CONFIG_ITEM] = ocp.args.JsonSave(config)
+    start = time.time()
+    try:
+      saved = self._manager.save(step, args=ocp.args.Composite(**items),
+                                 force=True)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      raise self._save_error(step, e) from e
+    logging.info("Saving checkpoint of step %d to %s (%.2f s blocking).",
+                 step, self.directory, time.time() - start)
+    if saved:
+      self._saving = step
+    return bool(saved)
+
+  def _save_error(self, step: int | None, error: BaseException
+                  ) -> CheckpointSaveError:
+    cause = _root_cause(error)
+    where = self.directory if step is None else os.path.join(
+        self.directory, str(step))
+    return CheckpointSaveError(
+        f"Saving the checkpoint {where} failed: {type(cause).__name__}: "
+        f"{cause}. Training stopped; the last complete checkpoint in "
+        f"{self.directory} is intact (steps {self.all_steps()}).")
+
+  def check_for_errors(self) -> None:
+    """Raises `CheckpointSaveError` if a background save has failed."""
+    try:
+      self._manager.check_for_errors()
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      raise self._save_error(self._saving, e) from e
+
+  def _finish_pending(self) -> None:
+    """Waits for the pending save and writes its manifest (process 0)."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      raise self._save_error(self._saving, e) from e
+    step, self._saving = self._saving, None
+    if step is None or jax.process_index() != 0:
+      return
+    step_dir = os.path.join(self.directory, str(step))
+    if os.path.isdir(step_dir):
+      manifest.write_manifest(step_dir)
+
+  def saved_config(self, step: int) -> dict[str, Any] | None:
+    """The config saved with `step` (None for a checkpoint without one)."""
+    path = os.path.join(self.directory, str(step), CONFIG_ITEM)
+    if not os.path.isdir(path):
+      return None
+    restored = self._manager.restore(
+        step, args=ocp.args.Composite(
+            **{CONFIG_ITEM: ocp.args.JsonRestore()}))
+    return restored[CONFIG_ITEM]
+
+  def _saved_params(self, step: int) -> Any:
+    metadata = self._manager.item_metadata(step)
+    state = metadata[STATE_ITEM]
+    tree = getattr(state, "tree", state)
+    if tree is None or "params" not in tree:
+      raise ValueError(f"no state metadata in checkpoint {step}")
+    return tree["params"]
+
+  def _set_aside(self, step: int) -> None:
+    """Moves an unreadable step out of the way so it can be saved again."""
+    if jax.process_index() != 0:
+      return
+    source = os.path.join(self.directory, str(step))
+    target = os.path.join(self.directory,
+                          f"unreadable-{step}-{int(time.time())}")
+    try:
+      os.rename(source, target)
+      logging.warning("Moved the unreadable checkpoint to %s.", target)
+    except OSError as e:
+      logging.warning("Could not move the unreadable checkpoint %s: %s",
+                      source, e)
+    self._manager.reload()
+
+  def _verified_params(self, step: int) -> Any:
+    """The step's parameter metadata, once its files match its manifest."""
+    where = os.path.join(self.directory, str(step))
+    if not manifest.verify_manifest(where):
+      logging.warning("Checkpoint %s has no manifest (the process stopped "
+                      "right after saving it): not verified.", where)
+    return self._saved_params(step)
+
+  def _attempt(self, strict: bool, candidate: int, what: str,
+               fn: Callable[..., Any], *args, **kwargs) -> Any:
+    """`fn(*args, **kwargs)`; on an error (unless `strict`, which re-raises)
+    warns, sets the step aside and returns `_FAILED`."""
+    try:
+      return fn(*args, **kwargs)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      if strict:
+        raise
+      logging.warning("Skipping checkpoint %s/%s: %s (%s: %s).",
+                      self.directory, candidate, what, type(e).__name__, e)
+      self._set_aside(candidate)
+      return _FAILED
+
+  def restore(self, abstract_state: Any,
+              data_iterator: data_item.SavableIterator | None = None,
+              *, step: int | None = None,
+              on_config: Callable[[int, dict[str, Any] | None], bool]
+              | None = None) -> Any | None:
+    """Restores the newest complete checkpoint onto `abstract_state`.
+
+    Complete steps are tried newest first; a step that cannot be read, or
+    whose files do not match its manifest (a corrupt or truncated
+    checkpoint), is moved aside with a warning.
+
+    Args:
+      abstract_state: the target's structure, e.g.
+        `jax.eval_shape(init, rng)`, with `sharding` set on its leaves; the
+        restored arrays get these types, dtypes and shardings.
+      data_iterator: the iterator to move to the saved position (None: the
+        data item is not restored).
+      step: restore exactly this step (no fallback).
+      on_config: called with the chosen step and its saved config (None if
+        it has none) before anything is restored; may raise to refuse the
+        resume; returns whether to restore the data iterator's position.
+
+    Returns:
+      The restored state, or None when there is no complete checkpoint.
+
+    Raises:
+      compat.IncompatibleCheckpointError: the newest readable checkpoint's
+        parameters do not match `abstract_state.params`.
+      FileNotFoundError: `step` was given and does not exist.
+    """
+    steps = self.all_steps()
+    if step is not None:
+      if step not in steps:
+        raise FileNotFoundError(
+            f"No complete checkpoint of step {step} in {self.directory}; "
+            f"found {steps}.")
+      steps = [step]
+    for candidate in reversed(steps):
+      where = f"{self.directory}/{candidate}"
+      saved_params = self._attempt(
+          step is not None, candidate, "it is unreadable or damaged",
+          self._verified_params, candidate)
+      if saved_params is _FAILED:
+        continue
+      compat.check_compatible(saved_params, abstract_state.params, where=where)
+      restore_data = True
+      if on_config is not None:
+        restore_data = on_config(candidate, self.saved_config(candidate))
+      items = {STATE_ITEM: ocp.args.StandardRestore(abstract_state)}
+      if data_iterator is not None and restore_data:
+        items[DATA_ITEM] = data_item.DataIteratorArgs(data_iterator)
+      restored = self._attempt(
+          step is not None, candidate, "restoring it failed",
+          self._manager.restore, candidate, args=ocp.args.Composite(**items))
+      if restored is _FAILED:
+        continue
+      logging.info("Restored checkpoint %s.", where)
+      return restored[STATE_ITEM]
+    return None
+
+  def wait_until_finished(self) -> None:
+    """Blocks until pending asynchronous saves are written (and verified)."""
+    self._finish_pending()
+
+  def close(self) -> None:
+    """Waits for pending saves and releases the manager."""
+    try:
+      self._finish_pending()
+    finally:
+      self._manager.close()

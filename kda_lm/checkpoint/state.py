@@ -1,0 +1,169 @@
+"""A run's typed config, its training state, and loading a trained run.
+
+What training writes and inference reads back: the validated config
+sections (`RunConfig`, `check_config`), the `TrainState` a checkpoint
+restores, its initialisation and abstract shapes, and `load_run` (a run's
+config and newest parameters, for generation and evaluation).
+"""
+
+import os
+from typing import Callable, NamedTuple
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from data import pipeline
+from kda_lm import config as config_lib
+from kda_lm import model as model_lib
+from kda_lm import optimizer
+from kda_lm.checkpoint import manager as manager_lib
+from kda_lm.checkpoint import workdir as workdir_lib
+from kda_lm.parallel import sharding
+
+SECTIONS = ("model", "data", *[s for s in config_lib.SECTIONS
+                               if s != "model"])
+
+
+class TrainState(NamedTuple):
+  """Everything a checkpoint restores (besides the data position)."""
+  params: hk.Params
+  opt_state: optax.OptState
+  rng: jax.Array   # uint32 [2] PRNG key, split every step.
+  step: jax.Array  # int32 scalar: updates done so far.
+
+
+class RunConfig(NamedTuple):
+  """The sections of a training config, typed and validated."""
+  model: config_lib.ModelConfig
+  data: pipeline.DataConfig
+  opt: config_lib.OptConfig
+  train: config_lib.TrainConfig
+  eval: config_lib.EvalConfig
+  checkpoint: config_lib.CheckpointConfig
+  mesh: config_lib.MeshConfig
+
+
+def check_config(config: ml_collections.ConfigDict) -> RunConfig:
+  """Reads every section into its dataclass; rejects unknown keys.
+
+  Args:
+    config: the full training config.
+
+  Returns:
+    The typed sections.
+
+  Raises:
+    ValueError: an unknown or missing section or key (the message names it),
+      a value out of range, or data with more token ids than the model.
+  """
+  keys = set(config.keys()) if hasattr(config, "keys") else set()
+  unknown = sorted(keys - set(SECTIONS))
+  if unknown:
+    raise ValueError(f"Unknown config section 'config.{unknown[0]}'; known "
+                     f"sections: {list(SECTIONS)}.")
+  missing = [s for s in SECTIONS if s not in keys]
+  if missing:
+    raise ValueError(f"Missing config sections: {missing}.")
+  sections = {
+      name: config_lib.from_config(cls, config[name], name,
+                                   required=name != "model")
+      for name, cls in config_lib.SECTIONS.items()}
+  run = RunConfig(data=pipeline.DataConfig.from_config(config.data),
+                  **sections)
+  data_vocab = run.data.vocab_size()
+  if data_vocab > run.model.vocab_size:
+    raise ValueError(
+        f"The data has {data_vocab} token ids (config.data) but the model "
+        f"only {run.model.vocab_size} (config.model.vocab_size).")
+  return run
+
+
+def make_init_fn(model: hk.Transformed, tx: optax.GradientTransformation,
+                 seq_len: int) -> Callable[[jax.Array], TrainState]:
+  """Returns `init(rng) -> TrainState`: fresh parameters and optimizer state
+  (traced on a `[1, seq_len]` row of token 0, one document)."""
+
+  def init(rng):
+    params_rng, state_rng = jax.random.split(rng)
+    tokens = jnp.zeros((1, seq_len), jnp.int32)
+    params = model.init(params_rng, tokens, jnp.ones_like(tokens))
+    return TrainState(params, tx.init(params), state_rng,
+                      jnp.zeros((), jnp.int32))
+
+  return init
+
+
+def abstract_state(cfg: RunConfig, mesh: jax.sharding.Mesh) -> TrainState:
+  """The TrainState's shapes, with the shardings training gives them."""
+  model = model_lib.build(cfg.model)
+  tx, _ = optimizer.make_optimizer(cfg.opt, cfg.train.num_steps)
+  init = make_init_fn(model, tx, cfg.data.seq_len)
+  abstract = jax.eval_shape(init, jax.random.PRNGKey(cfg.train.seed))
+  return sharding.with_shardings(
+      abstract, sharding.state_shardings(abstract, mesh))
+
+
+class Run(NamedTuple):
+  """A trained run, loaded for inference.
+
+  Attributes:
+    workdir: the absolute run directory.
+    config: the training config (a ConfigDict from `config.json`).
+    params: the newest checkpoint's parameters.
+    step: that checkpoint's step.
+  """
+  workdir: str
+  config: ml_collections.ConfigDict
+  params: hk.Params
+  step: int
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+  """Reads `<workdir>/config.json`.
+
+  Raises:
+    FileNotFoundError: no such file (not a training run directory).
+  """
+  config = workdir_lib.read_config(workdir)
+  if config is None:
+    raise FileNotFoundError(
+        f"{os.path.join(workdir, workdir_lib.CONFIG_FILE)} does not exist: "
+        f"--workdir must be the directory of a training run (python "
+        f"train.py --workdir=...).")
+  return ml_collections.ConfigDict(config)
+
+
+def load_run(workdir: str) -> Run:
+  """Loads the run's config and its newest complete checkpoint.
+
+  Args:
+    workdir: the run directory given to `train.py`.
+
+  Returns:
+    The `Run`.
+
+  Raises:
+    FileNotFoundError: no `config.json`, or no complete checkpoint.
+    compat.IncompatibleCheckpointError: the checkpoint does not match the
+      saved config.
+  """
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  config = load_config(workdir)
+  directory = workdir_lib.checkpoint_dir(workdir)
+  hint = f"train first (python train.py --workdir={workdir})."
+  if not os.path.isdir(directory) or not os.listdir(directory):
+    raise FileNotFoundError(f"No checkpoint in {directory}: {hint}")
+  cfg = check_config(config)
+  target = abstract_state(cfg, sharding.make_mesh(cfg.mesh))
+  manager = manager_lib.CheckpointManager(directory, max_to_keep=None,
+                                          async_save=False)
+  try:
+    state = manager.restore(target)
+  finally:
+    manager.close()
+  if state is None:
+    raise FileNotFoundError(f"No complete checkpoint in {directory}: {hint}")
+  return Run(workdir, config, state.params, int(jax.device_get(state.step)))

@@ -1,0 +1,13 @@
+"""Training: the jitted steps, the loop, and its output.
+
+* `step`: the loss, the update step (gradient, optimizer, MoE selection
+  biases) and the eval loop over batches.
+* `loop`: `train_and_evaluate` (set-up, resume, when to log, evaluate and
+  save).
+* `metrics`: `metrics.jsonl`, TensorBoard, the console progress, the
+  averaging window of a log row.
+
+May import: `data`, every lower room of `kda_lm` (`config`, `model`,
+`losses`, `optimizer`, `layers`, `parallel`, `checkpoint`). Never
+`kda_lm.infer`.
+"""

@@ -1,0 +1,141 @@
+"""The jitted steps of training: the loss, the update and the eval loop.
+
+`make_update_fn` builds `update(state, batch) -> (state, metrics)`: the
+loss (`kda_lm.losses`, plus the MTP loss), its gradient, the optimizer
+step and the MoE selection-bias update. `evaluate` sums the shared eval
+step (`losses.make_eval_step`) over a set of batches. Nothing here reads
+files or owns a device: `kda_lm.train.loop` jits and runs these.
+"""
+
+from typing import Any, Callable, Iterator, Mapping
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from kda_lm import config as config_lib
+from kda_lm import losses
+from kda_lm import model as model_lib
+from kda_lm.checkpoint import state as state_lib
+from kda_lm.layers import moe
+from kda_lm.parallel import sharding
+
+Batch = Mapping[str, jax.Array]
+TrainState = state_lib.TrainState
+
+
+def check_batch(batch: Mapping[str, np.ndarray], vocab_size: int,
+                where: str) -> None:
+  """Raises a clear error for token ids outside the model's vocabulary.
+
+  Args:
+    batch: a host numpy batch.
+    vocab_size: `config.model.vocab_size`.
+    where: names the batch in the message, e.g. "the batch of step 3".
+
+  Raises:
+    ValueError: a token id outside `[0, vocab_size)` (see
+      `kda_lm.model.check_tokens`).
+  """
+  for key in ("inputs", "targets"):
+    model_lib.check_tokens(batch[key], vocab_size,
+                           f"{where[:1].upper()}{where[1:]}: {key}")
+
+
+def _loss_fn(model: hk.Transformed, cfg: config_lib.ModelConfig | None):
+  """`loss(params, batch) -> (loss, extra)` for `jax.value_and_grad`."""
+  with_aux = cfg is not None and cfg.has_aux_outputs
+
+  def loss_fn(params, batch):
+    if with_aux:
+      logits, aux = losses.apply_batch(model, params, batch, return_aux=True)
+    else:
+      logits, aux = losses.apply_batch(model, params, batch), {}
+    loss_sum, correct, weight = losses.loss_terms(logits, batch)
+    denom = jnp.maximum(weight, 1.0)
+    loss = loss_sum / denom
+    extra = {"accuracy": correct / denom, "main_loss": loss}
+    if "mtp_logits" in aux:
+      extra["mtp_loss"] = losses.mtp_loss(aux["mtp_logits"], batch)
+      loss = loss + cfg.mtp_loss_scale * extra["mtp_loss"]
+    if "expert_load" in aux:
+      extra["expert_load"] = jax.lax.stop_gradient(aux["expert_load"])
+    return loss, extra
+
+  return loss_fn
+
+
+def make_update_fn(model: hk.Transformed, tx: optax.GradientTransformation,
+                   schedule: optax.Schedule, model_config: Any = None
+                   ) -> Callable[[TrainState, Batch],
+                                 tuple[TrainState, dict[str, jax.Array]]]:
+  """Returns `update(state, batch) -> (state, metrics)` (not jitted).
+
+  With a MoE or MTP `model_config`: the loss adds `mtp_loss_scale` times
+  the MTP loss (logged as `mtp_loss`; `loss` stays the main loss), and after
+  the optimizer step every MoE selection bias is set by
+  `moe.update_selection_biases`; metrics add the load balance
+  (`moe.load_metrics`).
+  """
+  cfg = (None if model_config is None
+         else config_lib.ModelConfig.from_config(model_config))
+  bias_modules = (model_lib.router_bias_modules(cfg)
+                  if cfg is not None and cfg.num_experts else [])
+  loss_fn = _loss_fn(model, cfg)
+
+  def update(state: TrainState, batch: Batch):
+    (_, extra), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params, batch)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    if bias_modules:
+      params = moe.update_selection_biases(
+          params, state.params, extra["expert_load"], bias_modules,
+          float(cfg.router_bias_update_rate))
+    rng, _ = jax.random.split(state.rng)
+    metrics = {
+        "loss": extra["main_loss"],
+        "accuracy": extra["accuracy"],
+        "grad_norm": optax.global_norm(grads),
+        "update_norm": optax.global_norm(updates),
+        "lr": jnp.asarray(schedule(state.step), jnp.float32),
+    }
+    if "mtp_loss" in extra:
+      metrics["mtp_loss"] = extra["mtp_loss"]
+    if "expert_load" in extra:
+      metrics.update(moe.load_metrics(extra["expert_load"]))
+    return TrainState(params, opt_state, rng, state.step + 1), metrics
+
+  return update
+
+
+def evaluate(eval_step: Callable[..., jax.Array], params: hk.Params,
+             batches: Iterator[Mapping[str, np.ndarray]],
+             batch_sharding: jax.sharding.NamedSharding, vocab_size: int
+             ) -> dict[str, float]:
+  """Loss and accuracy over the `loss_mask` positions of `batches`.
+
+  Args:
+    eval_step: the jitted `losses.make_eval_step` function.
+    params: the parameters.
+    batches: host numpy batches (this process's rows).
+    batch_sharding: the batch sharding.
+    vocab_size: the model's vocabulary (token ids are checked).
+
+  Returns:
+    `eval_loss`, `eval_accuracy` and `eval_tokens` (the loss_mask sum).
+  """
+  total = None
+  for batch in batches:
+    check_batch(batch, vocab_size, "an eval batch")
+    sums = eval_step(params, sharding.global_batch(batch, batch_sharding))
+    total = sums if total is None else total + sums
+  if total is None:
+    return {"eval_loss": float("nan"), "eval_accuracy": float("nan"),
+            "eval_tokens": 0.0}
+  loss_sum, correct, weight, _ = (float(x) for x in jax.device_get(total))
+  denom = max(weight, 1.0)
+  return {"eval_loss": loss_sum / denom, "eval_accuracy": correct / denom,
+          "eval_tokens": weight}

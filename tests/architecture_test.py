@@ -1,0 +1,124 @@
+"""The rooms of the package import only downwards (docs/architecture.md)."""
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Rank of each room: a module may import its own room and lower ranks.
+RANKS = {
+    "kda_lm.segments": 0,
+    "kda_lm.ops": 1,
+    "kda_lm.parallel": 2,
+    "kda_lm.layers": 3,
+    "kda_lm.config": 4,
+    "kda_lm.model": 5, "kda_lm.losses": 5, "kda_lm.optimizer": 5,
+    "data": 6,
+    "kda_lm.checkpoint": 7,
+    "kda_lm.train": 8, "kda_lm.infer": 8,
+    "kda_lm.testing": 9,
+}
+# The layers' one entry into the parallel room.
+LAYERS_MAY_IMPORT = ("kda_lm.parallel.context",)
+
+
+def room(module: str) -> str | None:
+  """The room of a dotted module name (None: the package root)."""
+  for name in sorted(RANKS, key=len, reverse=True):
+    if module == name or module.startswith(name + "."):
+      return name
+  return None
+
+
+def imports(path: str) -> list[str]:
+  """Dotted modules a file imports (`from a import b` gives `a.b` when b
+  is a module of the package, else `a`)."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      found += [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module and not (
+        node.level):
+      for alias in node.names:
+        dotted = f"{node.module}.{alias.name}"
+        is_module = os.path.exists(
+            os.path.join(ROOT, *dotted.split(".")) + ".py") or os.path.isdir(
+                os.path.join(ROOT, *dotted.split(".")))
+        found.append(dotted if is_module else node.module)
+  return [m for m in found if m.split(".")[0] in ("kda_lm", "data")]
+
+
+def package_modules():
+  for top in ("kda_lm", "data"):
+    for folder, _, names in os.walk(os.path.join(ROOT, top)):
+      for name in names:
+        if name.endswith(".py"):
+          path = os.path.join(folder, name)
+          rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+          yield rel.removesuffix(".__init__"), path
+
+
+def violations():
+  bad = []
+  for module, path in package_modules():
+    mine = room(module)
+    if mine is None:
+      continue
+    for target in imports(path):
+      theirs = room(target)
+      if theirs is None or theirs == mine:
+        continue
+      if RANKS[theirs] >= RANKS[mine]:
+        bad.append(f"{module} imports {target} ({mine} -> {theirs})")
+      elif mine == "kda_lm.layers" and theirs == "kda_lm.parallel" and (
+          not target.startswith(LAYERS_MAY_IMPORT)):
+        bad.append(f"{module} imports {target}: layers reach the parallel "
+                   f"room only through {LAYERS_MAY_IMPORT}")
+  return bad
+
+
+def test_every_module_belongs_to_a_room():
+  homeless = [m for m, _ in package_modules()
+              if room(m) is None and m not in ("kda_lm", "data")]
+  assert not homeless, homeless
+
+
+def test_imports_run_only_downwards():
+  assert not violations(), "\n".join(violations())
+
+
+def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
+  """A test that cannot fail is a defect: upward imports are reported."""
+  fake = tmp_path / "m.py"
+  fake.write_text("from kda_lm.train import loop\nfrom kda_lm import ops\n"
+                  "from kda_lm.parallel import sharding\n")
+  assert imports(str(fake)) == ["kda_lm.train.loop", "kda_lm.ops",
+                                "kda_lm.parallel.sharding"]
+  monkeypatch.setitem(globals(), "package_modules", lambda: iter(
+      [("kda_lm.infer.fake", str(fake)), ("kda_lm.layers.fake", str(fake))]))
+  assert violations() == [
+      "kda_lm.infer.fake imports kda_lm.train.loop "
+      "(kda_lm.infer -> kda_lm.train)",
+      "kda_lm.layers.fake imports kda_lm.train.loop "
+      "(kda_lm.layers -> kda_lm.train)",
+      "kda_lm.layers.fake imports kda_lm.parallel.sharding: layers reach "
+      "the parallel room only through ('kda_lm.parallel.context',)"]
+
+
+def test_modules_and_functions_read_at_once():
+  """Modules under 600 lines; functions at most 80 outside the kernels."""
+  long_modules, long_functions = [], []
+  for module, path in package_modules():
+    with open(path, encoding="utf-8") as f:
+      source = f.read()
+    if source.count("\n") > 600:
+      long_modules.append(module)
+    if module.startswith("kda_lm.ops.kda.pallas"):
+      continue  # Kernels keep their bodies whole.
+    for node in ast.walk(ast.parse(source)):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+          node.end_lineno - node.lineno + 1 > 80):
+        long_functions.append(f"{module}.{node.name}")
+  assert not long_modules and not long_functions, (long_modules,
+                                                    long_functions)

@@ -1,0 +1,68 @@
+"""Tests of the run config check `kda_lm.checkpoint.state.check_config`."""
+
+import pytest
+
+from configs import ling3_tiny
+from data import pipeline
+from kda_lm import testing
+from kda_lm.checkpoint import state as state_lib
+
+tiny_config = testing.tiny_train_config
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("tfds"))
+
+
+def test_unknown_and_bad_config_keys(data_dir):
+  config = tiny_config(data_dir)
+  state_lib.check_config(config)
+  config.train.stepz = 3
+  with pytest.raises(ValueError, match=r"config\.train\.stepz"):
+    state_lib.check_config(config)
+  config = tiny_config(data_dir)
+  config.extra = {"a": 1}
+  with pytest.raises(ValueError, match=r"config\.extra"):
+    state_lib.check_config(config)
+  config = tiny_config(data_dir)
+  config.model.num_layerz = 3
+  with pytest.raises(ValueError, match=r"config\.model\.num_layerz"):
+    state_lib.check_config(config)
+  config = tiny_config(data_dir)
+  del config.opt["peak_lr"]
+  with pytest.raises(ValueError, match="peak_lr"):
+    state_lib.check_config(config)
+  # Byte-level data (256 ids) for a model with 16 ids.
+  config = tiny_config(data_dir)
+  config.data.name = "text_files"
+  with pytest.raises(ValueError, match="256 token ids"):
+    state_lib.check_config(config)
+  # A locked config (as train.py's --config.* overrides) rejects new keys.
+  config = tiny_config(data_dir)
+  config.lock()
+  with pytest.raises(AttributeError):
+    config.train.stepz = 3
+
+
+@pytest.mark.parametrize("variant,pattern,dataset,vocab", [
+    ("", "KKKM", "delayed_copy", 32), ("text", "KKKM", "text_files", 4096),
+    ("text_bytes", "KKKM", "text_files", 256),
+    ("kda_only", "KKKK", "delayed_copy", 32),
+    ("mla_only", "MMMM", "delayed_copy", 32),
+    ("text,kda_only", "KKKK", "text_files", 4096)])
+def test_config_variants(variant, pattern, dataset, vocab):
+  config = ling3_tiny.get_config(variant)
+  state_lib.check_config(config)
+  assert config.model.attention_pattern == pattern
+  assert config.data.name == dataset
+  assert config.model.vocab_size == pipeline.vocab_size(config.data) == vocab
+  # Text rows come from shuffled pieces; delayed copy keeps its stream.
+  assert config.data.piece_shuffle_buffer == (1024 if "text" in variant
+                                              else 0)
+  # The default delay is beyond the short-conv receptive field of the model.
+  assert config.data.delay > len(pattern) * (config.model.conv_size - 1)
+  with pytest.raises(ValueError, match="variant"):
+    ling3_tiny.get_config("large")
+  with pytest.raises(ValueError, match="one of"):
+    ling3_tiny.get_config("text,text_bytes")

@@ -1,0 +1,135 @@
+"""Tests of kda_lm.checkpoint.workdir: the lock and the resume checks."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kda_lm.checkpoint import workdir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _hold_lock_in_subprocess(directory: str) -> subprocess.Popen:
+  """Starts a process that takes the lock, prints 'locked', then waits."""
+  code = textwrap.dedent(f"""
+      import sys, time
+      from kda_lm.checkpoint import workdir
+      lock = workdir.WorkdirLock({directory!r}).acquire()
+      print("locked", flush=True)
+      sys.stdin.readline()
+      lock.release()
+  """)
+  proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True)
+  assert proc.stdout.readline().strip() == "locked"
+  return proc
+
+
+def test_second_holder_is_refused_naming_the_first(tmp_path):
+  proc = _hold_lock_in_subprocess(str(tmp_path))
+  try:
+    with pytest.raises(workdir.WorkdirLockedError) as info:
+      workdir.WorkdirLock(str(tmp_path)).acquire()
+    assert f"PID {proc.pid}" in str(info.value)
+  finally:
+    proc.communicate("\n", timeout=30)
+  # Released on a clean exit: free to take, with no stale-lock warning.
+  with workdir.WorkdirLock(str(tmp_path)):
+    pass
+
+
+def test_lock_of_a_dead_process_is_taken_over(tmp_path, caplog):
+  proc = _hold_lock_in_subprocess(str(tmp_path))
+  proc.kill()
+  proc.wait(timeout=30)
+  with caplog.at_level(logging.WARNING):
+    lock = workdir.WorkdirLock(str(tmp_path)).acquire()
+  try:
+    assert f"PID {proc.pid}" in caplog.text
+    assert "no longer running" in caplog.text
+    with open(lock.path) as f:
+      assert json.load(f)["pid"] == os.getpid()
+  finally:
+    lock.release()
+
+
+def test_exception_inside_the_locked_region_releases_the_lock(tmp_path,
+                                                            caplog):
+  """An error while training propagates, and the lock is released on the
+  way out: a second trainer then takes it at once, with no stale-lock
+  warning (the file was emptied)."""
+
+  class Crash(Exception):
+    pass
+
+  with pytest.raises(Crash):
+    with workdir.WorkdirLock(str(tmp_path)):
+      # Held: another acquire (a new open file, as another process) fails.
+      with pytest.raises(workdir.WorkdirLockedError):
+        workdir.WorkdirLock(str(tmp_path)).acquire()
+      raise Crash("the training step failed")
+  with caplog.at_level(logging.WARNING):
+    second = workdir.WorkdirLock(str(tmp_path)).acquire()
+  try:
+    assert "no longer running" not in caplog.text
+  finally:
+    second.release()
+  # And in another process too.
+  proc = _hold_lock_in_subprocess(str(tmp_path))
+  proc.communicate("\n", timeout=30)
+  assert proc.returncode == 0
+
+
+SAVED = {"model": {"d_model": 64, "kda_impl": "auto"},
+         "data": {"seed": 0, "dataset_seed": 0, "seq_len": 128,
+                  "data_dir": "/a"},
+         "opt": {"peak_lr": 1e-3}, "train": {"log_every": 10}}
+
+
+def _given(**changes):
+  config = json.loads(json.dumps(SAVED))
+  for key, value in changes.items():
+    section, name = key.split("__")
+    config[section][name] = value
+  return config
+
+
+def test_meaning_changes_are_refused_with_every_key_listed():
+  given = _given(data__dataset_seed=1, data__seq_len=64, model__d_model=32,
+                 opt__peak_lr=2e-3)
+  with pytest.raises(workdir.ConfigChangedError) as info:
+    workdir.check_resume(SAVED, given, step=40, allow_change=False)
+  message = str(info.value)
+  for line in ("data.dataset_seed: 0 -> 1", "data.seq_len: 128 -> 64",
+               "model.d_model: 64 -> 32"):
+    assert line in message
+  assert "peak_lr" not in message
+  assert "step 40" in message and "allow_config_change" in message
+
+
+def test_safe_changes_and_opt_in_pass():
+  safe = _given(opt__peak_lr=2e-3, train__log_every=5,
+                model__kda_impl="xla", data__data_dir="/b")
+  assert workdir.check_resume(SAVED, safe, step=1, allow_change=False) == []
+  changed = workdir.check_resume(SAVED, _given(data__seed=3), step=1,
+                                 allow_change=True)
+  assert [str(c) for c in changed] == ["data.seed: 0 -> 3"]
+
+
+def test_write_config_keeps_a_history(tmp_path):
+  workdir.write_config(str(tmp_path), SAVED, step=0)
+  change = workdir.Change("data.seed", 0, 3)
+  workdir.write_config(str(tmp_path), _given(data__seed=3), step=40,
+                       changes=[change])
+  with open(tmp_path / workdir.CONFIG_FILE) as f:
+    assert json.load(f)["data"]["seed"] == 3
+  with open(tmp_path / workdir.HISTORY_FILE) as f:
+    history = [json.loads(line) for line in f]
+  assert [h["start_step"] for h in history] == [0, 40]
+  assert history[1]["changes"] == ["data.seed: 0 -> 3"]

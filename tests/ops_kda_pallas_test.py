@@ -1,0 +1,428 @@
+"""Tests of the Pallas KDA kernels (`chunk_kda(..., impl="pallas")`).
+
+On CPU the kernels run in interpret mode. Plain `interpret=True` fills every
+kernel output buffer with NaN before the kernel runs (checked by
+`test_interpret_mode_fills_unwritten_outputs_with_nan`), so a read of an
+unwritten buffer shows up as NaN in outputs or gradients: padding gradients
+are required to be exactly 0 and finite with that fill on.
+
+Error metric: `kda_lm.testing.rel_err(a, b) = ||a - b||_2 / ||b||_2` in
+float64 (as in tests/ops_kda_reference_test.py). Float32 tolerances: 1e-5
+forward, 1e-4 gradients.
+
+The cross-lowering tests set KDA_LM_PALLAS_INTERPRET=0 and lower the forward
+and the gradient for TPU (Mosaic: `tpu_custom_call`) and CUDA (Triton:
+`__gpu$xla.gpu.triton`) at K=V=128, T=8192, H=16, bfloat16 inputs, from
+abstract shapes (nothing is allocated).
+
+Compile budget: interpret-mode kernels are compile-bound, so the module runs
+with `jax_disable_most_optimizations` (restored afterwards) and reuses one
+jitted forward+gradient function per static configuration.
+"""
+
+import dataclasses
+import functools
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kda_lm import testing
+from kda_lm.ops import chunk_kda
+from kda_lm.ops.kda import api, pallas
+from kda_lm.ops.kda.pallas import options
+
+H, K, V = 2, 32, 16
+FIELDS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+TOKEN_FIELDS = ("q", "k", "v", "g", "beta")
+FWD_TOL, GRAD_TOL = 1e-5, 1e-4
+BF16_FWD_TOL, BF16_GRAD_TOL = 5e-3, 8e-3   # precision="bf16" (GPU default)
+CPU = pallas.for_platform("cpu")   # interpret mode, IEEE float32 dots
+
+
+# Tiny shapes: compilation dominates (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+rel_err = testing.rel_err
+
+
+def _check(what, got, want, tol):
+  err = rel_err(got, want)
+  assert err <= tol, f"{what}: rel_err {err:.2e} > {tol:.0e}"
+  return err
+
+
+@functools.lru_cache(maxsize=None)
+def _grad_fn(impl, static):
+  """jit(grad) of sum(o * do) + sum(state * dht), aux (o, state)."""
+  kw = dict(static)
+
+  def loss(params, segment_ids, do, dht):
+    o, s = chunk_kda(**params, segment_ids=segment_ids,
+                     output_final_state=True, impl=impl, **kw)
+    return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(s * dht), (o, s)
+
+  return jax.jit(jax.grad(loss, has_aux=True))
+
+
+def fwd_and_grads(impl, params, segment_ids, do, dht, *, fresh=False,
+                  **static):
+  """(o, state, grads) as numpy; `fresh` traces anew instead of reusing the
+  cached function (kernel settings from the environment are read when
+  tracing)."""
+  make = _grad_fn.__wrapped__ if fresh else _grad_fn
+  grads, (o, s) = make(impl, tuple(sorted(static.items())))(
+      params, segment_ids, do, dht)
+  return jax.tree.map(np.asarray, (o, s, grads))
+
+
+def runs_to_ids(runs):
+  """[(id, length), ...] -> int32 segment-id row."""
+  return np.concatenate([np.full(n, i, np.int32) for i, n in runs])
+
+
+# Row 0: leading padding, 1-token documents at t=3, t=63 (a chunk's last row)
+# and t=64 (a chunk's first row), a document crossing t=128, mid-row padding,
+# an id reused after padding (two segments), trailing padding. Row 1: one
+# document over the whole row. T=200 is not a multiple of 64.
+PACKED_IDS = np.stack([
+    runs_to_ids([(0, 3), (1, 1), (2, 59), (3, 1), (4, 1), (5, 6), (0, 4),
+                 (6, 1), (7, 60), (0, 3), (7, 7), (8, 1), (0, 1), (9, 50),
+                 (0, 2)]),
+    np.full(200, 11, np.int32),
+])
+PACKED_T = PACKED_IDS.shape[1]
+
+
+def make_inputs(seed, b, t, *, k=K, v=V, h=H, gate="softplus"):
+  """float32 params (FLA's test distributions) and cotangents."""
+  rng = np.random.default_rng(seed)
+  randn = lambda *s: rng.standard_normal(s).astype(np.float32)
+  params = dict(q=randn(b, t, h, k), k=randn(b, t, h, k), v=randn(b, t, h, v),
+                g=randn(b, t, h, k),
+                beta=1 / (1 + np.exp(-randn(b, t, h))),
+                initial_state=randn(b, h, k, v))
+  if gate == "softplus":
+    params["A_log"] = np.log(rng.uniform(1, 16, h))
+    params["dt_bias"] = randn(h * k)
+    static = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True)
+  elif gate == "safe":
+    params["A_log"] = rng.uniform(-1, 1, h)
+    params["dt_bias"] = randn(h * k)
+    static = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                  lower_bound=-5.0, safe_gate=True)
+  else:  # pre-activated log-sigmoid gates, k normalised outside
+    params["g"] = -np.logaddexp(0.0, -params["g"])
+    params["k"] /= np.sqrt(np.sum(params["k"] ** 2, -1, keepdims=True) + 1e-6)
+    static = {}
+  params = {n: np.asarray(x, np.float32) for n, x in params.items()}
+  return params, static, randn(b, t, h, v), randn(b, h, k, v)
+
+
+@functools.lru_cache(maxsize=None)
+def packed_results():
+  params, static, do, dht = make_inputs(0, 2, PACKED_T)
+  seg = PACKED_IDS
+  return (params, seg,
+          fwd_and_grads("pallas", params, seg, do, dht, **static),
+          fwd_and_grads("reference", params, seg, do, dht, **static))
+
+
+def _compare(params, got, want, fwd_tol=FWD_TOL, grad_tol=GRAD_TOL):
+  (o, s, grads), (o_ref, s_ref, g_ref) = got, want
+  errs = {"o": _check("o", o, o_ref, fwd_tol),
+          "state": _check("final_state", s, s_ref, fwd_tol)}
+  for n in FIELDS:
+    if n in params:
+      errs["d" + n] = _check("d" + n, grads[n], g_ref[n], grad_tol)
+  print(" ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+
+
+def test_packed_segments_match_reference():
+  params, _, got, want = packed_results()
+  _compare(params, got, want)
+
+
+def test_padding_outputs_and_gradients_exactly_zero_and_finite():
+  params, seg, (o, s, grads), _ = packed_results()
+  pad = seg == 0
+  assert pad.any()
+  assert np.isfinite(o).all() and np.isfinite(s).all()
+  assert np.all(o[pad] == 0.0)
+  for n in FIELDS:
+    if n in params:
+      assert np.isfinite(grads[n]).all(), n
+  for n in TOKEN_FIELDS:
+    assert np.all(grads[n][pad] == 0.0), n
+
+
+@pytest.mark.parametrize("gate", ["pre", "safe"])
+def test_head_dim_64_matches_reference(gate):
+  """K=V=64, B=1, H=1, two chunks, no segment_ids (and the safe gate)."""
+  params, static, do, dht = make_inputs(1, 1, 128, k=64, v=64, h=1,
+                                        gate=gate)
+  _compare(params, fwd_and_grads("pallas", params, None, do, dht, **static),
+           fwd_and_grads("reference", params, None, do, dht, **static))
+
+
+def test_v_and_k_blocks_match_reference(monkeypatch):
+  """KernelOptions.v_block splits the state's V columns over the recurrence
+  kernels' programs (grid axis j on GPU, and in interpret mode), k_block the
+  K columns of the backward's per-chunk gradient kernel. V=48 pads to 64:
+  4 blocks of 16 against the CPU default's one; K=32: one block of 32
+  against the CPU default's two of 16. Those columns are independent, so
+  every output and gradient is bit-identical."""
+  params, static, do, dht = make_inputs(3, 2, PACKED_T, v=48)
+  seg = PACKED_IDS
+  assert (CPU.v_block, CPU.k_block) == (64, 16)
+  whole = fwd_and_grads("pallas", params, seg, do, dht, **static)
+  split = fwd_and_grads(
+      "pallas", params, seg, do, dht, **static,
+      pallas_options=dataclasses.replace(CPU, v_block=16, k_block=32))
+  _compare(params, split, fwd_and_grads("reference", params, seg, do, dht,
+                                        **static))
+  for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(whole),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match="power of two"):
+    dataclasses.replace(CPU, v_block=48)
+  monkeypatch.setenv(options.V_BLOCK_ENV, "48")
+  with pytest.raises(ValueError, match="KDA_LM_PALLAS_.*power of two"):
+    pallas.default_options()
+
+
+def test_tpu_style_recurrence_matches_reference(monkeypatch):
+  """recurrence="grid" runs the recurrences as on TPU in
+  interpret mode: one chunk per step of an "arbitrary" grid axis, the state
+  in a scratch buffer (written at the first step, read back at the last).
+  Packed segments; padding gradients exactly 0 and finite with the NaN fill
+  on; results as the GPU-style loop's (which
+  tests/ops_kda_reference_test.py and the rest of this file check)."""
+  params, seg, loop, want = packed_results()
+  _, static, do, dht = make_inputs(0, 2, PACKED_T)
+  monkeypatch.setenv(options.RECURRENCE_ENV, "grid")  # the env override
+  grid = fwd_and_grads("pallas", params, seg, do, dht, fresh=True,
+                       **static)
+  assert pallas.default_options() == dataclasses.replace(CPU, recurrence="grid")
+  _compare(params, grid, want)
+  _compare(params, grid, loop, fwd_tol=1e-6, grad_tol=1e-6)
+  pad = seg == 0
+  for n in TOKEN_FIELDS:
+    assert np.isfinite(grid[2][n]).all() and np.all(grid[2][n][pad] == 0), n
+  monkeypatch.setenv(options.RECURRENCE_ENV, "scan")
+  with pytest.raises(ValueError, match="recurrence"):
+    pallas.default_options()
+
+
+def test_vmap_over_rows_equals_batch():
+  """The per-row vmap of a B=1 call == one call with B rows, bit for
+  bit. Pre-activated gates: XLA's CPU code for the in-kernel gate / l2norm
+  (outside the Pallas kernel, shared with impl="xla") may round differently
+  for [1,T,...] and [2,T,...] shapes (~1 ulp)."""
+  params, static, _, _ = make_inputs(0, 2, PACKED_T, gate="pre")
+  params = {n: x for n, x in params.items() if n != "initial_state"}
+  call = functools.partial(chunk_kda, output_final_state=True, impl="pallas",
+                           **static)
+  o_b, s_b = jax.jit(lambda p, seg: call(**p, segment_ids=seg))(
+      params, PACKED_IDS)
+  row_keys = TOKEN_FIELDS
+
+  def one_row(row, seg):
+    p = {n: (row[n][None] if n in row_keys else params[n]) for n in params}
+    o, s = call(**p, segment_ids=seg[None])
+    return o[0], s[0]
+
+  o_v, s_v = jax.jit(jax.vmap(one_row))(
+      {n: params[n] for n in row_keys}, PACKED_IDS)
+  np.testing.assert_array_equal(np.asarray(o_v), np.asarray(o_b))
+  np.testing.assert_array_equal(np.asarray(s_v), np.asarray(s_b))
+
+
+# ----------------------------------------------------------------------------
+# FLA golden fixture (see tests/testdata/README.md).
+
+
+
+# The FLA golden fixture runs for impl="pallas" in ops_kda_golden_test.py.
+
+
+# ----------------------------------------------------------------------------
+# Dispatch, unsupported shapes, interpret switch.
+
+
+def _small(k, v, t=16):
+  rng = np.random.default_rng(0)
+  randn = lambda *s: rng.standard_normal(s).astype(np.float32)
+  return dict(q=randn(1, t, 1, k), k=randn(1, t, 1, k), v=randn(1, t, 1, v),
+              g=-np.abs(randn(1, t, 1, k)), beta=np.full((1, t, 1), 0.5,
+                                                         np.float32))
+
+
+def test_unsupported_shape_raises_before_tracing(monkeypatch):
+  def boom(*a, **kw):
+    raise AssertionError("traced")
+  monkeypatch.setattr(pallas, "kda_pallas", boom)
+  with pytest.raises(NotImplementedError, match="K, V <= 256"):
+    chunk_kda(**_small(512, 16), impl="pallas")
+  with pytest.raises(NotImplementedError, match="chunk_size"):
+    chunk_kda(**_small(32, 16), impl="pallas", chunk_size=32)
+
+
+def test_auto_picks_pallas_on_accelerators_and_falls_back(monkeypatch,
+                                                          caplog):
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+  assert api.resolve_impl("auto") == "xla"
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert api.resolve_impl("auto") == "pallas"
+  assert api._check_pallas("auto", "pallas", 32, 16, 64) == "pallas"
+  with caplog.at_level(logging.WARNING):
+    assert api._check_pallas("auto", "pallas", 512, 16, 64) == "xla"
+  assert "Falling back to impl='xla'" in caplog.text
+  with pytest.raises(NotImplementedError):
+    api._check_pallas("pallas", "pallas", 512, 16, 64)
+
+
+def test_options_per_platform_and_env_overrides(monkeypatch):
+  """Defaults follow JAX's default backend; KDA_LM_PALLAS_* override one
+  field each, read only by `default_options`; bad values raise."""
+  for name in (options.INTERPRET_ENV, options.NUM_WARPS_ENV,
+               options.V_BLOCK_ENV, options.RECURRENCE_ENV,
+               options.PRECISION_ENV):
+    monkeypatch.delenv(name, raising=False)
+  assert pallas.default_options() == pallas.for_platform(
+      options.backend_platform())
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  assert pallas.default_options() == pallas.for_platform("tpu")
+  assert not pallas.default_options().interpret
+  monkeypatch.setattr(jax, "default_backend", lambda: "cuda")
+  gpu = pallas.default_options()
+  assert gpu == pallas.for_platform("gpu") and not gpu.interpret
+  assert hash(gpu) == hash(pallas.for_platform("gpu"))
+  monkeypatch.setenv(options.INTERPRET_ENV, "1")
+  monkeypatch.setenv(options.NUM_WARPS_ENV, "2")
+  monkeypatch.setenv(options.PRECISION_ENV, "bf16")
+  assert pallas.default_options() == dataclasses.replace(
+      gpu, interpret=True, num_warps=2, precision="bf16")
+  monkeypatch.setenv(options.INTERPRET_ENV, "yes")
+  with pytest.raises(ValueError, match="KDA_LM_PALLAS_INTERPRET"):
+    pallas.default_options()
+  monkeypatch.delenv(options.INTERPRET_ENV)
+  monkeypatch.setenv(options.PRECISION_ENV, "fp8")
+  with pytest.raises(ValueError, match="precision"):
+    pallas.default_options()
+  with pytest.raises(ValueError, match="num_warps"):
+    pallas.KernelOptions(num_warps=3)
+  with pytest.raises(ValueError, match="platform"):
+    pallas.for_platform("cuda")
+  with pytest.raises(ValueError, match="KernelOptions"):
+    chunk_kda(**_small(32, 16), impl="pallas", pallas_options={"x": 1})
+
+
+def test_interpret_mode_fills_unwritten_outputs_with_nan():
+  """The detector the padding test relies on is on with interpret=True."""
+  from jax.experimental import pallas as pl
+
+  def kernel(x_ref, o_ref):
+    o_ref[pl.ds(0, 8), :] = x_ref[pl.ds(0, 8), :]
+
+  out = pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),
+      interpret=True)(jnp.ones((16, 128), jnp.float32))
+  assert np.all(np.asarray(out[:8]) == 1.0)
+  assert np.all(np.isnan(np.asarray(out[8:])))
+
+
+# ----------------------------------------------------------------------------
+# Cross-lowering: compiled kernels for TPU and GPU from this host.
+
+LOWER_B, LOWER_T, LOWER_H, LOWER_D = 1, 8192, 16, 128
+TARGETS = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
+
+
+def _abstract_args():
+  S = jax.ShapeDtypeStruct
+  bf = jnp.bfloat16
+  b, t, h, d = LOWER_B, LOWER_T, LOWER_H, LOWER_D
+  params = dict(q=S((b, t, h, d), bf), k=S((b, t, h, d), bf),
+                v=S((b, t, h, d), bf), g=S((b, t, h, d), bf),
+                beta=S((b, t, h), bf), initial_state=S((b, h, d, d),
+                                                        jnp.float32),
+                A_log=S((h,), jnp.float32), dt_bias=S((h * d,), jnp.float32))
+  return params, S((b, t), jnp.int32)
+
+
+def _model_call(params, seg, opts):
+  return chunk_kda(**params, segment_ids=seg, output_final_state=True,
+                   use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                   impl="pallas", pallas_options=opts)
+
+
+@pytest.mark.parametrize("platform", sorted(TARGETS))
+@pytest.mark.parametrize("mode", ["forward", "backward"])
+def test_cross_lowering(platform, mode):
+  params, seg = _abstract_args()
+  opts = pallas.for_platform("tpu" if platform == "tpu" else "gpu")
+  if mode == "forward":
+    fn = functools.partial(_model_call, opts=opts)
+  else:
+    def fn(p, s):
+      o, state = _model_call(p, s, opts)
+      return jnp.sum(o.astype(jnp.float32)) + jnp.sum(state)
+    fn = jax.grad(fn)
+  text = jax.jit(fn).trace(params, seg).lower(
+      lowering_platforms=(platform,)).as_text()
+  # Forward: intra-chunk, recurrence, output kernels. Gradient: intra and
+  # recurrence (the output kernel's o is not needed by jax.grad, so it is
+  # dropped) plus the five backward kernels.
+  want = 3 if mode == "forward" else 7
+  assert text.count(TARGETS[platform]) == want, text.count(TARGETS[platform])
+  other = TARGETS["cuda" if platform == "tpu" else "tpu"]
+  assert other not in text
+  if platform == "cuda":
+    # Chunk-parallel kernels: grid (B, H, T / 64); the recurrence kernels:
+    # (B, H, V / 64), the default V blocks; the backward's per-chunk
+    # gradient kernel: (B * H, T / 64, K / k_block) (Triton's grid has
+    # three axes: Pallas folds the leading ones).
+    grids = re.findall(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, "
+                       r"grid_z = (\d+)", text)
+    recur = 1 if mode == "forward" else 2
+    kblocks = [] if mode == "forward" else [
+        ("16", "128", str(LOWER_D // opts.k_block))]
+    assert sorted(grids) == sorted(
+        [("1", "16", "128")] * (want - recur - len(kblocks))
+        + [("1", "16", "2")] * recur + kblocks), grids
+
+
+def test_precision_reaches_the_kernels():
+  """KernelOptions.precision changes the lowered Triton kernels: IEEE
+  float32, TF32 and bfloat16-operand dots differ."""
+  params, seg = _abstract_args()
+  texts = set()
+  for precision in options.PRECISIONS:
+    opts = dataclasses.replace(pallas.for_platform("gpu"),
+                               precision=precision)
+    text = jax.jit(functools.partial(_model_call, opts=opts)).trace(
+        params, seg).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(TARGETS["cuda"]) == 3
+    texts.add(text)
+  assert len(texts) == len(options.PRECISIONS)
+
+
+def test_bf16_dots_within_fla_like_tolerances():
+  """precision="bf16" (bfloat16 dot operands, float32 accumulation: FLA's
+  Triton dots for bfloat16 inputs), rounded as on a GPU in interpret mode,
+  on the packed rows, against the float32 reference. Measured rel_err:
+  o 2.7e-3, final state 2.3e-3, dq 2.5e-3, dk 2.6e-3, dv 2.8e-3, dg 4.1e-3,
+  dbeta 3.0e-3, dh0 2.1e-3, dA_log 1.2e-3, ddt_bias 3.8e-3 (bfloat16 has an
+  8-bit mantissa: 2^-9 = 2e-3 per rounding); FLA's bf16 tests allow ~5e-3.
+  The gate cumsum stays IEEE float32 (an error there is amplified by exp)."""
+  params, seg, _, want = packed_results()
+  _, static, do, dht = make_inputs(0, 2, PACKED_T)
+  got = fwd_and_grads("pallas", params, seg, do, dht, **static,
+                      pallas_options=dataclasses.replace(
+                          CPU, precision="bf16"))
+  _compare(params, got, want, fwd_tol=BF16_FWD_TOL, grad_tol=BF16_GRAD_TOL)

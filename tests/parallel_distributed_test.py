@@ -1,0 +1,375 @@
+"""Tests of kda_lm.parallel.distributed and of multi-process training.
+
+The end-to-end test starts two real `train.py` processes on localhost (CPU
+backend, gloo collectives, one CPU device each) and checks their losses
+against one process with two fake CPU devices fed the same global batch.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from kda_lm import testing
+from kda_lm.parallel import distributed
+from kda_lm.train import metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# ling3_tiny shrunk to one KDA layer with a dense feed-forward, 4 x 32 tokens
+# per global batch, no eval: compilation dominates on 2 CPU cores.
+OVERRIDES = {
+    **testing.TINY_TRAIN_OVERRIDES,
+    "model.attention_pattern": "K",
+    "model.num_experts": 0,
+    "train.num_steps": 10,
+    "eval.every_steps": 0,
+    "checkpoint.every_steps": 5,
+}
+
+# One process, two fake devices, the global batch of two processes: rows of
+# process 0's data shard, then rows of process 1's (`make_train_iterator`
+# shards the data by process).
+_REFERENCE = """
+import json, sys
+import kda_lm
+import jax
+import numpy as np
+from configs import ling3_tiny
+from data import pipeline
+from kda_lm.checkpoint import state as state_lib
+from kda_lm.train import loop as train_loop
+from kda_lm.train import step as step_lib
+
+overrides, workdir = json.loads(sys.argv[1]), sys.argv[2]
+config = ling3_tiny.get_config()
+for key, value in overrides.items():
+  section, name = key.split(".")
+  config[section][name] = value
+assert jax.device_count() == 2 and jax.process_count() == 1
+
+
+def concat(batches):
+  return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+
+
+def train_iterator(data_config, **kwargs):
+  shards = [make_train(data_config, process_index=i, process_count=2,
+                       **kwargs) for i in range(2)]
+  while True:
+    yield concat([next(s) for s in shards])
+
+
+class EvalBatches:
+  def __init__(self, data_config, **kwargs):
+    self.shards = [make_eval(data_config, process_index=i, process_count=2,
+                             **kwargs) for i in range(2)]
+
+  def __iter__(self):
+    for batches in zip(*self.shards, strict=True):
+      yield concat(list(batches))
+
+
+make_train = pipeline.make_train_iterator
+make_eval = pipeline.make_eval_iterator
+pipeline.make_train_iterator, pipeline.make_eval_iterator = (
+    train_iterator, EvalBatches)
+train_loop.train_and_evaluate(config, workdir)
+"""
+
+
+def _free_port() -> int:
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
+def _mesh(**fields) -> ml_collections.ConfigDict:
+  mesh = ml_collections.ConfigDict(dict(
+      data=-1, fsdp=1, distributed=True, coordinator_address="127.0.0.1:1234",
+      num_processes=2, process_id=0, coordinator_timeout_s=300))
+  mesh.update(fields)
+  return mesh
+
+
+def _run_all(commands: list[list[str]], env: dict[str, str], logdir: str,
+             timeout_s: float) -> list[str]:
+  """Runs the commands at once; on a failure or timeout kills them all.
+
+  Returns:
+    Each command's output (stdout and stderr).
+  """
+  os.makedirs(logdir, exist_ok=True)
+  logs = [os.path.join(logdir, f"process_{i}.log")
+          for i in range(len(commands))]
+  procs = []
+  try:
+    for command, log in zip(commands, logs, strict=True):
+      with open(log, "w") as f:
+        procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=f,
+                                      stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+      failed = any(p.poll() not in (None, 0) for p in procs)
+      if failed or time.monotonic() > deadline:
+        break
+      time.sleep(0.2)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+    for p in procs:
+      p.wait()
+  outputs = []
+  for log in logs:
+    with open(log) as f:
+      outputs.append(f.read())
+  for i, p in enumerate(procs):
+    assert p.returncode == 0, (
+        f"process {i} exited with {p.returncode} (killed after "
+        f"{timeout_s} s or after another process failed):\n"
+        f"{outputs[i][-3000:]}")
+  return outputs
+
+
+def _train_flags(workdir: str, data_dir: str) -> list[str]:
+  flags = [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
+  return [sys.executable, os.path.join(REPO, "train.py"),
+          "--config=configs/ling3_tiny.py", f"--workdir={workdir}",
+          f"--config.data.data_dir={data_dir}", *flags]
+
+
+def _two_processes(workdir: str, data_dir: str, env: dict[str, str]
+                   ) -> list[str]:
+  address = f"127.0.0.1:{_free_port()}"
+  commands = [
+      _train_flags(workdir, data_dir) + [
+          "--config.mesh.distributed=True",
+          f"--config.mesh.coordinator_address={address}",
+          "--config.mesh.num_processes=2", f"--config.mesh.process_id={i}",
+          "--config.mesh.coordinator_timeout_s=60"]
+      for i in range(2)]
+  # About a minute on 2 idle cores; generous for a loaded machine.
+  return _run_all(commands, env, workdir + "_logs", timeout_s=600)
+
+
+def _assert_rows_close(rows, expected, keys):
+  assert [r["step"] for r in rows] == [r["step"] for r in expected]
+  for row, want in zip(rows, expected, strict=True):
+    for key in keys:
+      if key in want:
+        np.testing.assert_allclose(row[key], want[key], rtol=1e-5,
+                                   err_msg=f"{key} at step {row['step']}")
+
+
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("missing", ["coordinator_address", "num_processes",
+                                     "process_id"])
+def test_missing_field_is_named(missing):
+  with pytest.raises(ValueError,
+                     match=rf"needs config\.mesh\.{missing} \(missing"):
+    distributed.options(_mesh(**{missing: None}))
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(process_id=2), r"process_id must be in \[0, 2\).*got 2"),
+    (dict(process_id=-1), r"process_id must be in \[0, 2\).*got -1"),
+    (dict(num_processes=0, process_id=0), r"num_processes must be >= 1"),
+    (dict(coordinator_address="localhost"), r"must be host:port"),
+    (dict(coordinator_timeout_s=0), r"coordinator_timeout_s must be >= 1"),
+])
+def test_bad_fields(fields, message):
+  with pytest.raises(ValueError, match=message):
+    distributed.options(_mesh(**fields))
+
+
+def test_options():
+  assert distributed.options(_mesh(distributed=False)) is None
+  assert distributed.options(None) is None
+  assert distributed.options(_mesh(process_id=1)) == distributed.Options(
+      "127.0.0.1:1234", 2, 1, 300)
+  # None of the three: JAX detects the cluster.
+  auto = _mesh(coordinator_address=None, num_processes=None, process_id=None)
+  assert distributed.options(auto) == distributed.Options(None, None, None,
+                                                          300)
+  assert not distributed.initialize(_mesh(distributed=False))
+
+
+def test_initialize_after_backend_start_is_refused():
+  jax.devices()
+  with pytest.raises(RuntimeError, match="before anything else touches JAX"):
+    distributed.initialize(_mesh())
+
+
+def test_no_cluster_detected(monkeypatch):
+  def fail(**kwargs):
+    del kwargs
+    raise ValueError("coordinator_address should be defined.")
+  monkeypatch.setattr(distributed, "_backends_are_initialized", lambda: False)
+  monkeypatch.setattr(jax.distributed, "initialize", fail)
+  auto = _mesh(coordinator_address=None, num_processes=None, process_id=None)
+  with pytest.raises(ValueError, match="needs a cluster JAX can detect"):
+    distributed.initialize(auto)
+
+
+def test_shutdown_stops_the_coordinator_last(monkeypatch):
+  """The barrier, then every client leaves, then (after the grace) the
+  coordinator stops; nothing at all when not distributed."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax._src import distributed as jax_distributed
+  events = []
+
+  class Service:
+    def shutdown(self):
+      events.append("service")
+
+  class State:
+    service = Service()
+
+    def shutdown(self):
+      events.append(f"client (service attached: {self.service is not None})")
+
+  monkeypatch.setattr(jax_distributed, "global_state", State())
+  monkeypatch.setattr(distributed.multihost_utils, "sync_global_devices",
+                      lambda name: events.append(f"barrier {name}"))
+  monkeypatch.setattr(distributed.time, "sleep",
+                      lambda s: events.append(f"sleep {s}"))
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+  distributed.shutdown()
+  assert not events
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+  distributed.shutdown(grace_s=0.5)
+  assert events == ["barrier kda_lm: finished",
+                    "client (service attached: False)", "sleep 0.5",
+                    "service"]
+
+
+@pytest.mark.parametrize("count,index,want", [
+    (2, 0, ["body", "barrier data"]),     # The main process: body first.
+    (2, 1, ["barrier data", "body"]),     # The others wait for it.
+    (3, 2, ["barrier data", "body"]),
+    (1, 0, ["body"]),                     # One process: no barrier.
+], ids=["main", "other", "third_of_3", "single"])
+def test_main_process_first_orders_body_and_barrier(monkeypatch, count,
+                                                    index, want):
+  events = []
+  monkeypatch.setattr(jax, "process_count", lambda: count)
+  monkeypatch.setattr(jax, "process_index", lambda: index)
+  monkeypatch.setattr(distributed.multihost_utils, "sync_global_devices",
+                      lambda name: events.append(f"barrier {name}"))
+  with distributed.main_process_first("data"):
+    events.append("body")
+  assert events == want
+
+
+def test_main_process_first_runs_the_main_body_before_the_others(
+    monkeypatch):
+  """Three threads stand for three processes, a `threading.Barrier` for the
+  global one: the main process's body ends before any other body starts;
+  the others then run theirs."""
+  events, errors = [], []
+  barrier = threading.Barrier(3, timeout=10)
+  monkeypatch.setattr(jax, "process_count", lambda: 3)
+  monkeypatch.setattr(distributed, "is_main_process",
+                      lambda: threading.current_thread().name == "p0")
+  monkeypatch.setattr(distributed.multihost_utils, "sync_global_devices",
+                      lambda name: barrier.wait())
+
+  def process():
+    name = threading.current_thread().name
+    try:
+      with distributed.main_process_first("data"):
+        events.append(f"{name} starts")
+        time.sleep(0.2 if name == "p0" else 0.0)
+        events.append(f"{name} ends")
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      errors.append(e)
+
+  threads = [threading.Thread(target=process, name=f"p{i}")
+             for i in (2, 1, 0)]   # The others first: they must wait.
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(timeout=60)
+  assert not errors, errors
+  assert events[:2] == ["p0 starts", "p0 ends"], events
+  assert sorted(events[2:]) == ["p1 ends", "p1 starts", "p2 ends",
+                                "p2 starts"], events
+
+
+def test_wait_for_coordinator_times_out():
+  address = f"127.0.0.1:{_free_port()}"  # Nothing listens there.
+  start = time.monotonic()
+  with pytest.raises(TimeoutError, match=rf"coordinator at {address} .*did "
+                     r"not answer within 1\.5 s"):
+    distributed.wait_for_coordinator(address, 1.5)
+  assert 1.2 < time.monotonic() - start < 10
+
+
+def test_train_py_without_coordinator_fails_in_time(tmp_path):
+  """A process > 0 whose coordinator never answers stops with a clear error."""
+  address = f"127.0.0.1:{_free_port()}"
+  command = [sys.executable, os.path.join(REPO, "train.py"),
+             "--config=configs/ling3_tiny.py", f"--workdir={tmp_path}",
+             "--config.mesh.distributed=True",
+             f"--config.mesh.coordinator_address={address}",
+             "--config.mesh.num_processes=2", "--config.mesh.process_id=1",
+             "--config.mesh.coordinator_timeout_s=3"]
+  start = time.monotonic()
+  result = subprocess.run(command, cwd=REPO,
+                          env=testing.subprocess_env(str(tmp_path)),
+                          capture_output=True, text=True, timeout=120,
+                          check=False)
+  assert result.returncode != 0
+  assert f"TimeoutError: The coordinator at {address}" in result.stderr, (
+      result.stderr[-3000:])
+  assert time.monotonic() - start < 120
+  assert not os.path.exists(tmp_path / "config.json")
+
+
+def test_two_processes_match_one_and_resume(tmp_path):
+  data_dir, cache_dir = str(tmp_path / "tfds"), str(tmp_path / "jax_cache")
+  # The single-process reference (it also builds the dataset).
+  reference = str(tmp_path / "reference")
+  result = subprocess.run(
+      [sys.executable, "-c", _REFERENCE, json.dumps(
+          {**OVERRIDES, "data.data_dir": data_dir,
+           "checkpoint.enabled": False}), reference],
+      cwd=REPO, env=testing.subprocess_env(
+          cache_dir, "--xla_force_host_platform_device_count=2"),
+      capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  expected = metrics.read_metrics(reference)
+  assert [r["step"] for r in expected] == list(range(1, 11))
+
+  env = testing.subprocess_env(cache_dir)
+  first = str(tmp_path / "first")
+  logs = _two_processes(first, data_dir, env)
+  for i, log in enumerate(logs):
+    assert "2 devices (cpu), 2 processes" in log, log[-3000:]
+    assert f"process {i} of 2" in log
+  # Process 0 alone writes the metrics: one row per step.
+  _assert_rows_close(metrics.read_metrics(first), expected,
+                     ("loss", "accuracy", "grad_norm"))
+  assert sorted(os.listdir(os.path.join(first, "checkpoints"))) == ["10", "5"]
+
+  # A second two-process run resumes from the first one's step-5 checkpoint.
+  second = str(tmp_path / "second")
+  shutil.copytree(os.path.join(first, "checkpoints", "5"),
+                  os.path.join(second, "checkpoints", "5"))
+  logs = _two_processes(second, data_dir, env)
+  for log in logs:
+    assert "Resuming from the checkpoint of step 5" in log, log[-3000:]
+  _assert_rows_close(metrics.read_metrics(second), expected[5:],
+                     ("loss", "accuracy", "grad_norm"))

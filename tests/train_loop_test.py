@@ -1,0 +1,570 @@
+"""Tests of train.loop and train.py: runs, resume, faults, log rows, meshes."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
+import ml_collections
+import numpy as np
+import pytest
+
+from data import pipeline
+from kda_lm import testing
+from kda_lm.checkpoint import compat, manifest
+from kda_lm.checkpoint import manager as manager_lib
+from kda_lm.checkpoint import workdir as workdir_lib
+from kda_lm.train import loop as train_loop
+from kda_lm.train import metrics
+
+# Subprocesses (a new process for resuming, SIGKILL, 4 fake CPU devices) run
+# `train.py` on a generated config file; they share the TFDS data dir and a
+# persistent JAX compilation cache with this process.
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Tiny shapes: compilation dominates (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+# The tiny model (testing.TINY_TRAIN_OVERRIDES): its overrides and config.
+overrides = testing.tiny_train_overrides
+tiny_config = testing.tiny_train_config
+_table_batch = testing.table_batch
+_one_device_sharding = testing.one_device_batch_sharding
+
+_CONFIG_FILE = """
+from configs import ling3_tiny
+
+OVERRIDES = {overrides!r}
+
+
+def get_config(arg=None):
+  config = ling3_tiny.get_config(arg)
+  for key, value in OVERRIDES.items():
+    section, name = key.split(".")
+    config[section][name] = value
+  return config
+"""
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("tfds"))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+  """A persistent compilation cache shared with the subprocesses."""
+  path = str(tmp_path_factory.mktemp("jax_cache"))
+  old = (jax.config.jax_compilation_cache_dir,
+         jax.config.jax_persistent_cache_min_compile_time_secs)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  yield path
+  jax.config.update("jax_compilation_cache_dir", old[0])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
+  compilation_cache.reset_cache()
+
+
+def write_config_file(tmp_path, data_dir, **extra):
+  path = tmp_path / f"config_{len(os.listdir(tmp_path))}.py"
+  path.write_text(_CONFIG_FILE.format(overrides=overrides(data_dir,
+                                                          **extra)))
+  return str(path)
+
+
+def train_command(config_file, workdir, *flags):
+  return [sys.executable, os.path.join(REPO, "train.py"),
+          f"--config={config_file}", f"--workdir={workdir}", *flags]
+
+
+def run_train(config_file, workdir, cache_dir, *flags, xla_flags="",
+              timeout=300):
+  result = subprocess.run(
+      train_command(config_file, workdir, *flags), cwd=REPO,
+      env=testing.subprocess_env(cache_dir, xla_flags), capture_output=True,
+      text=True, timeout=timeout, check=False)
+  assert result.returncode == 0, result.stderr[-4000:]
+  return result
+
+
+def train_rows(workdir):
+  return [r for r in metrics.read_metrics(workdir) if "loss" in r]
+
+
+def eval_losses(workdir):
+  return {r["step"]: r["eval_loss"] for r in metrics.read_metrics(workdir)
+          if "eval_loss" in r}
+
+
+def restore_params(workdir, like_state):
+  manager = manager_lib.CheckpointManager(
+      os.path.join(workdir, "checkpoints"))
+  state = manager.restore(jax.eval_shape(lambda: like_state))
+  manager.close()
+  return state
+
+
+def assert_trees_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ---------------------------------------------------------------------------
+# Runs: one step, resume in a new process or after SIGKILL, a NaN loss.
+
+
+def test_one_step_smoke(tmp_path, data_dir, cache_dir):
+  del cache_dir
+  workdir = str(tmp_path / "run")
+  config = tiny_config(data_dir, train__num_steps=1, train__tensorboard=True)
+  state = train_loop.train_and_evaluate(config, workdir)
+  assert int(state.step) == 1
+  rows = metrics.read_metrics(workdir)
+  train_row, eval_row = rows
+  assert train_row["step"] == 1 and np.isfinite(train_row["loss"])
+  for key in ("accuracy", "grad_norm", "lr", "tokens_per_s", "wall_s"):
+    assert key in train_row
+  assert eval_row["step"] == 1
+  assert 0.0 <= eval_row["eval_accuracy"] <= 1.0
+  assert eval_row["eval_loss"] > 0 and eval_row["eval_tokens"] > 0
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert json.load(f)["model"]["d_model"] == 32
+  assert os.listdir(os.path.join(workdir, "checkpoints")) == ["1"]
+  assert any(name.startswith("events.out.tfevents") for name in
+             os.listdir(os.path.join(workdir, "tensorboard")))
+  # Rerunning the finished run restores and does nothing more.
+  again = train_loop.train_and_evaluate(config, workdir)
+  assert_trees_equal(again.params, state.params)
+  assert len(metrics.read_metrics(workdir)) == 2
+
+  # A different model refuses the checkpoint, naming the parameter.
+  bigger = tiny_config(data_dir, train__num_steps=1, model__mlp_hidden_dim=96)
+  with pytest.raises(compat.IncompatibleCheckpointError,
+                     match=r"'layer_0/mlp/\w+/w' has shape"):
+    train_loop.train_and_evaluate(bigger, workdir)
+
+  # The metrics plot.
+  from experiments import plot_metrics  # pylint: disable=g-import-not-at-top
+  png = plot_metrics.plot(workdir)
+  assert os.path.getsize(png) > 1000
+
+
+def test_exact_resume_in_a_new_process(tmp_path, data_dir, cache_dir):
+  n = 3
+  common = dict(eval__every_steps=0, checkpoint__every_steps=n)
+  straight = str(tmp_path / "straight")
+  state = train_loop.train_and_evaluate(
+      tiny_config(data_dir, train__num_steps=2 * n, **common), straight)
+  resumed = str(tmp_path / "resumed")
+  train_loop.train_and_evaluate(
+      tiny_config(data_dir, train__num_steps=n, **common), resumed)
+  config_file = write_config_file(tmp_path, data_dir, **common)
+  result = run_train(config_file, resumed, cache_dir,
+                     f"--config.train.num_steps={2 * n}")
+  assert f"Resuming from the checkpoint of step {n}" in result.stderr
+  losses = [(r["step"], r["loss"]) for r in train_rows(straight)]
+  assert [s for s, _ in losses] == list(range(1, 2 * n + 1))
+  assert [(r["step"], r["loss"]) for r in train_rows(resumed)] == losses
+  restored = restore_params(resumed, state)
+  assert int(restored.step) == 2 * n
+  assert_trees_equal(restored.params, state.params)
+  assert_trees_equal(restored.opt_state, state.opt_state)
+
+
+def test_sigkill_then_rerun_resumes(tmp_path, data_dir, cache_dir):
+  workdir = str(tmp_path / "run")
+  config_file = write_config_file(
+      tmp_path, data_dir, train__num_steps=100_000, train__log_every=50,
+      eval__every_steps=0, checkpoint__every_steps=5,
+      checkpoint__max_to_keep=2)
+  proc = subprocess.Popen(
+      train_command(config_file, workdir), cwd=REPO,
+      env=testing.subprocess_env(cache_dir), stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL)
+  checkpoints = os.path.join(workdir, "checkpoints")
+  deadline = time.time() + 240
+  try:
+    while time.time() < deadline and proc.poll() is None:
+      if os.path.isdir(checkpoints) and any(
+          name.isdigit() for name in os.listdir(checkpoints)):
+        break
+      time.sleep(0.05)
+    time.sleep(0.3)  # Let it run on, possibly into the next save.
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+  manager = manager_lib.CheckpointManager(checkpoints)
+  last = manager.latest_step()
+  manager.close()
+  assert last is not None and last >= 5
+  # The rerun (a shorter schedule, to finish quickly) resumes and finishes.
+  config = tiny_config(data_dir, train__num_steps=last + 3,
+                       train__log_every=50, eval__every_steps=0,
+                       checkpoint__every_steps=5, checkpoint__max_to_keep=2)
+  state = train_loop.train_and_evaluate(config, workdir)
+  assert int(state.step) == last + 3
+  steps = [r["step"] for r in train_rows(workdir)]
+  assert steps == sorted(set(steps)) and steps[-1] == last + 3
+
+
+def test_nan_loss_stops_without_saving(tmp_path, data_dir, cache_dir,
+                                       monkeypatch):
+  del cache_dir
+  make = pipeline.make_train_iterator
+
+  class Poisoned:
+    """Puts a NaN into the loss mask of the third batch."""
+
+    def __init__(self, iterator):
+      self.iterator = iterator
+      self.count = 0
+
+    def __iter__(self):
+      return self
+
+    def __next__(self):
+      batch = next(self.iterator)
+      self.count += 1
+      if self.count == 3:
+        batch["loss_mask"] = batch["loss_mask"].copy()
+        batch["loss_mask"][0, 0] = np.nan
+      return batch
+
+    def save(self, directory):
+      return self.iterator.save(directory)
+
+    def restore(self, directory):
+      self.iterator.restore(directory)
+
+  monkeypatch.setattr(pipeline, "make_train_iterator",
+                      lambda *a, **k: Poisoned(make(*a, **k)))
+  workdir = str(tmp_path / "run")
+  config = tiny_config(data_dir, train__num_steps=6, train__log_every=3,
+                       checkpoint__every_steps=1, eval__every_steps=0)
+  with pytest.raises(FloatingPointError, match="loss at step 3"):
+    train_loop.train_and_evaluate(config, workdir)
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [
+      "1", "2"]
+
+
+# Four fake devices, one process: runs given as JSON
+# [[data, fsdp, context, steps, workdir], ...] in argv[2].
+_FOUR_DEVICES = """
+import importlib.util
+import json
+import sys
+
+import jax
+
+from kda_lm.parallel import sharding
+from kda_lm.checkpoint import state as state_lib
+from kda_lm.train import loop as train_loop
+from kda_lm.train import step as step_lib
+
+spec = importlib.util.spec_from_file_location("tiny", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+assert jax.device_count() == 4, jax.devices()
+for data, fsdp, context, steps, workdir in json.loads(sys.argv[2]):
+  config = module.get_config()
+  config.mesh.data, config.mesh.fsdp, config.mesh.context = (
+      data, fsdp, context)
+  config.train.num_steps = steps
+  print("mesh", dict(sharding.make_mesh(config.mesh).shape))
+  state = train_loop.train_and_evaluate(config, workdir)
+  print("devices", len(state.params["embed"]["embeddings"].sharding.device_set))
+"""
+
+
+def _run_four_devices(config_file, runs, cache_dir):
+  result = subprocess.run(
+      [sys.executable, "-c", _FOUR_DEVICES, config_file, json.dumps(runs)],
+      cwd=REPO, capture_output=True, text=True, timeout=900, check=False,
+      env=testing.subprocess_env(
+          cache_dir, "--xla_force_host_platform_device_count=4"))
+  assert result.returncode == 0, result.stderr[-4000:]
+  meshes = [f"{{'data': {d}, 'fsdp': {f}, 'context': {c}}}"
+            for d, f, c, _, _ in runs]
+  assert result.stdout.split("\n")[:2 * len(runs)] == [
+      line for mesh in meshes for line in (f"mesh {mesh}", "devices 4")
+  ], result.stdout
+
+
+def _assert_same_rows(workdir, expected, steps):
+  rows = train_rows(workdir)
+  assert [r["step"] for r in rows] == steps
+  for row, want in zip(rows, expected, strict=True):
+    for key in ("loss", "accuracy", "grad_norm"):
+      np.testing.assert_allclose(row[key], want[key], rtol=2e-5,
+                                 atol=1e-6, err_msg=f"{workdir} {key}")
+
+
+def test_four_devices_match_one(tmp_path, data_dir, cache_dir):
+  """A data-parallel run and an FSDP x context-parallel run (resumed onto
+  another mesh) reproduce the one-device losses."""
+  common = dict(train__num_steps=3, eval__every_steps=3,
+                checkpoint__every_steps=2)
+  one = str(tmp_path / "one")
+  train_loop.train_and_evaluate(tiny_config(data_dir, **common), one)
+  workdirs = [str(tmp_path / name) for name in ("four", "fsdp_context")]
+  config_file = write_config_file(tmp_path, data_dir, **common)
+  _run_four_devices(config_file, [(4, 1, 1, 3, workdirs[0]),
+                                  (1, 2, 2, 2, workdirs[1]),
+                                  (4, 1, 1, 3, workdirs[1])], cache_dir)
+  expected, expected_eval = train_rows(one), eval_losses(one)
+  assert sorted(expected_eval) == [3]
+  for workdir in workdirs:
+    _assert_same_rows(workdir, expected, [1, 2, 3])
+    np.testing.assert_allclose(eval_losses(workdir)[3], expected_eval[3],
+                               rtol=2e-5, err_msg=workdir)
+
+
+def test_ten_steps_on_each_mesh_match_one_device(tmp_path, data_dir,
+                                                 cache_dir):
+  """10 steps with fsdp=4, data=4 and data=2 x fsdp=2 (KDA and the MoE
+  dispatch inside shard_map on each) reproduce the one-device losses."""
+  common = dict(train__num_steps=10, eval__every_steps=0,
+                checkpoint__every_steps=10)
+  one = str(tmp_path / "one")
+  train_loop.train_and_evaluate(tiny_config(data_dir, **common), one)
+  runs = [(1, 4, 1), (4, 1, 1), (2, 2, 1)]
+  runs = [(*mesh, 10, str(tmp_path / f"mesh_{i}"))
+          for i, mesh in enumerate(runs)]
+  _run_four_devices(write_config_file(tmp_path, data_dir, **common), runs,
+                    cache_dir)
+  for *_, workdir in runs:
+    _assert_same_rows(workdir, train_rows(one), list(range(1, 11)))
+
+
+# ---------------------------------------------------------------------------
+# Log rows of the training loop, with a stand-in run.
+
+
+class _Clock:
+  """Stands in for the `time` module inside kda_lm.train.metrics."""
+
+  def __init__(self):
+    self.now = 1000.0
+
+  def time(self):
+    return self.now
+
+
+class _LoopRun:
+  """The parts of `train_loop._Run` that `_train_loop` uses: steps with known
+  metrics that take known (fake) times, log rows recorded."""
+
+  check_finite = train_loop._Run.check_finite  # pylint: disable=protected-access
+
+  def __init__(self, clock, num_steps, log_every, ckpt_every):
+    self.cfg = ml_collections.ConfigDict({
+        "train": {"num_steps": num_steps, "log_every": log_every},
+        "eval": {"every_steps": 0},
+        "checkpoint": {"every_steps": ckpt_every},
+        "data": {"batch_size": 2, "seq_len": 4},
+        "model": {"vocab_size": 11}})
+    self.clock = clock
+    self.start_step = 0
+    self.manager = None
+    self.eval_batches = None
+    self.last_checkpoint = None
+    rng = np.random.default_rng(0)
+    self.train_it = iter(lambda: _table_batch(rng, 11, 2, 4, 8), None)
+    self.steps = types.SimpleNamespace(
+        update=self.update, batch_sharding=_one_device_sharding())
+    self.output = types.SimpleNamespace(
+        train_row=self.log_row,
+        writer=types.SimpleNamespace(flush=lambda: None))
+    self.rows, self.checkpoints = [], []
+
+  @staticmethod
+  def loss(step):
+    return float(step * step)
+
+  def update(self, state, batch):
+    del batch
+    step = int(state) + 1
+    self.clock.now += 100.0 if step == 1 else 2.0   # Step 1 compiles.
+    return step, {"loss": jax.numpy.float32(self.loss(step)),
+                  "accuracy": jax.numpy.float32(step / 10),
+                  "grad_norm": jax.numpy.float32(1.0),
+                  "update_norm": jax.numpy.float32(1.0),
+                  "lr": jax.numpy.float32(step * 1e-3)}
+
+  def log_row(self, step, row):
+    self.rows.append((step, row))
+
+  def checkpoint(self, step, state):
+    del state
+    self.checkpoints.append(step)
+    self.clock.now += 50.0    # Left out of tokens/s (window.paused).
+
+  def finish(self, state):
+    del state
+
+
+def test_log_rows_average_their_steps_and_leave_out_compilation(
+    monkeypatch):
+  """log_every = 3 over 7 steps: rows at 3, 6 and 7, each the mean of its
+  steps' metrics (the first row's includes the compile step); tokens/s
+  counts neither the compile step nor checkpoint time."""
+  clock = _Clock()
+  monkeypatch.setattr(metrics, "time", clock)
+  run = _LoopRun(clock, num_steps=7, log_every=3, ckpt_every=3)
+  final = train_loop._train_loop(run, 0)  # pylint: disable=protected-access
+  assert final == 7
+  assert run.checkpoints == [3, 6, 7]
+  assert [step for step, _ in run.rows] == [3, 6, 7]
+  tokens = 2 * 4   # Per step.
+  for (step, row), steps in zip(run.rows, ((1, 2, 3), (4, 5, 6), (7,)),
+                                strict=True):
+    assert row["loss"] == pytest.approx(np.mean([run.loss(s)
+                                                 for s in steps])), step
+    assert row["accuracy"] == pytest.approx(np.mean(steps) / 10), step
+    assert row["lr"] == pytest.approx(steps[-1] * 1e-3), step
+    # 2 s per step after the first; the 100 s compile and the 50 s
+    # checkpoints are out.
+    assert row["tokens_per_s"] == pytest.approx(tokens / 2.0), (step, row)
+
+
+# ---------------------------------------------------------------------------
+# Faults: nothing lost, nothing silent.
+
+
+def _largest_file(directory):
+  files = [os.path.join(r, n) for r, _, ns in os.walk(directory) for n in ns
+           if n != manifest.MANIFEST_FILE]
+  return max(files, key=os.path.getsize)
+
+
+def test_torn_metrics_line_resumes(tmp_path, data_dir, caplog):
+  workdir = str(tmp_path / "run")
+  common = dict(eval__every_steps=0, checkpoint__every_steps=2)
+  train_loop.train_and_evaluate(
+      tiny_config(data_dir, train__num_steps=2, **common), workdir)
+  path = os.path.join(workdir, metrics.METRICS_FILE)
+  with open(path, "a") as f:
+    f.write('{"step": 3, "loss": 0.1')   # killed during the write
+  with caplog.at_level("WARNING"):
+    train_loop.train_and_evaluate(
+        tiny_config(data_dir, train__num_steps=4, **common), workdir)
+  assert "torn" in caplog.text and path in caplog.text
+  assert [r["step"] for r in train_rows(workdir)] == [1, 2, 3, 4]
+
+
+def test_changed_data_on_resume_is_refused_unless_allowed(tmp_path,
+                                                          data_dir):
+  common = dict(eval__every_steps=0, checkpoint__every_steps=2)
+  first = str(tmp_path / "first")
+  train_loop.train_and_evaluate(
+      tiny_config(data_dir, train__num_steps=2, **common), first)
+  same, changed = str(tmp_path / "same"), str(tmp_path / "changed")
+  shutil.copytree(first, same)
+  shutil.copytree(first, changed)
+  train_loop.train_and_evaluate(
+      tiny_config(data_dir, train__num_steps=4, **common), same)
+  new_seed = tiny_config(data_dir, train__num_steps=4,
+                         data__dataset_seed=1, **common)
+  with pytest.raises(workdir_lib.ConfigChangedError,
+                     match=r"data\.dataset_seed: 0 -> 1"):
+    train_loop.train_and_evaluate(new_seed, changed)
+  with open(os.path.join(changed, "config.json")) as f:
+    assert json.load(f)["data"]["dataset_seed"] == 0   # not overwritten
+  new_seed.train.allow_config_change = True
+  train_loop.train_and_evaluate(new_seed, changed)
+  before = [r["loss"] for r in train_rows(same)]
+  after = [r["loss"] for r in train_rows(changed)]
+  assert after[:2] == before[:2] and after[2:] != before[2:]
+  with open(os.path.join(changed, "config.json")) as f:
+    assert json.load(f)["data"]["dataset_seed"] == 1
+  with open(os.path.join(changed, workdir_lib.HISTORY_FILE)) as f:
+    history = [json.loads(line) for line in f]
+  assert [h["start_step"] for h in history] == [0, 2]
+  assert history[1]["changes"] == ["data.dataset_seed: 0 -> 1"]
+
+
+def test_second_trainer_on_a_locked_workdir_is_refused(tmp_path, data_dir,
+                                                       cache_dir):
+  workdir = str(tmp_path / "run")
+  config_file = write_config_file(tmp_path, data_dir, train__num_steps=6,
+                                  eval__every_steps=0)
+  first = subprocess.Popen(
+      train_command(config_file, workdir), cwd=REPO,
+      env=testing.subprocess_env(cache_dir), stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE, text=True)
+  lock = os.path.join(workdir, workdir_lib.LOCK_FILE)
+  try:
+    deadline = time.time() + 120
+    while not (os.path.exists(lock) and os.path.getsize(lock)):
+      assert time.time() < deadline and first.poll() is None
+      time.sleep(0.05)
+    first.send_signal(signal.SIGSTOP)   # alive, holding the lock
+    second = subprocess.run(
+        train_command(config_file, workdir), cwd=REPO,
+        env=testing.subprocess_env(cache_dir), capture_output=True, text=True,
+        timeout=300, check=False)
+    assert second.returncode != 0
+    assert f"in use by PID {first.pid}" in second.stderr
+  finally:
+    first.send_signal(signal.SIGCONT)
+  _, stderr = first.communicate(timeout=300)
+  assert first.returncode == 0, stderr[-3000:]
+  assert [r["step"] for r in train_rows(workdir)] == list(range(1, 7))
+
+
+def test_bit_flipped_checkpoint_falls_back_with_exact_losses(
+    tmp_path, data_dir, caplog):
+  common = dict(eval__every_steps=0, checkpoint__every_steps=2)
+  straight = str(tmp_path / "straight")
+  train_loop.train_and_evaluate(
+      tiny_config(data_dir, train__num_steps=6, **common), straight)
+  workdir = str(tmp_path / "run")
+  train_loop.train_and_evaluate(
+      tiny_config(data_dir, train__num_steps=4, **common), workdir)
+  step_4 = os.path.join(workdir, "checkpoints", "4")
+  with open(_largest_file(step_4), "r+b") as f:
+    data = bytearray(f.read())
+    for i in range(min(4096, len(data))):
+      data[i] ^= 0xFF
+    f.seek(0)
+    f.write(bytes(data))
+  with caplog.at_level("WARNING"):
+    train_loop.train_and_evaluate(
+        tiny_config(data_dir, train__num_steps=6, **common), workdir)
+  assert "SHA-256" in caplog.text and step_4 in caplog.text
+  assert ([(r["step"], r["loss"]) for r in train_rows(workdir)] ==
+          [(r["step"], r["loss"]) for r in train_rows(straight)])
+
+
+def test_failed_save_stops_the_run_naming_the_reason(tmp_path, data_dir,
+                                                     monkeypatch):
+  workdir = str(tmp_path / "run")
+  real_save = manager_lib.ocp.CheckpointManager.save
+
+  def save(self, step, *args, **kwargs):
+    if step == 4:
+      raise OSError(28, "No space left on device")
+    return real_save(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(manager_lib.ocp.CheckpointManager, "save", save)
+  config = tiny_config(data_dir, train__num_steps=6, eval__every_steps=0,
+                       checkpoint__every_steps=2)
+  with pytest.raises(manager_lib.CheckpointSaveError,
+                     match="No space left on device") as info:
+    train_loop.train_and_evaluate(config, workdir)
+  assert os.path.join(workdir, "checkpoints", "4") in str(info.value)
+  assert manifest.verify_manifest(
+      os.path.join(workdir, "checkpoints", "2"))
+  # The lock was released: the run can be resumed at once.
+  monkeypatch.undo()
+  state = train_loop.train_and_evaluate(config, workdir)
+  assert int(state.step) == 6
