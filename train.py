@@ -9,6 +9,7 @@ own `--config.mesh.process_id` (see `kda_lm/parallel/distributed.py`).
 """
 
 import os
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -41,12 +42,17 @@ def main(argv):
   distributed.initialize(_CONFIG.value.get("mesh"))
   # pylint: disable=g-import-not-at-top
   from kda_lm.train import loop as train_loop
-  from kda_lm.train import metrics
+  from kda_lm.train import metrics, preemption
   metrics.quiet_library_logs()
   workdir = _WORKDIR.value or _default_workdir(
       config_flags.get_config_filename(flags.FLAGS["config"]))
   logging.info("Config:\n%s", _CONFIG.value)
-  train_loop.train_and_evaluate(_CONFIG.value, workdir)
+  try:
+    train_loop.train_and_evaluate(_CONFIG.value, workdir)
+  except preemption.Preempted as stopped:
+    logging.warning("%s", stopped)
+    distributed.shutdown()
+    sys.exit(preemption.PREEMPTED_EXIT)
   # After a successful run only: after a failure the other processes may
   # never reach the barrier, and JAX's own exit handler disconnects.
   distributed.shutdown()

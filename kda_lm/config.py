@@ -410,6 +410,9 @@ class CheckpointConfig:
   enabled: bool = True
   # Steps between saves (and the last step).
   every_steps: int = 100
+  # Seconds between saves, beside every_steps (whichever comes first);
+  # checked at log steps (train.log_every). None: steps only.
+  every_seconds: Optional[float] = None
   # Newest checkpoints kept.
   max_to_keep: int = 3
   # Write arrays in a background thread.
@@ -418,6 +421,12 @@ class CheckpointConfig:
   def __post_init__(self):
     if self.every_steps < 1:
       raise ValueError("config.checkpoint.every_steps must be >= 1.")
+    if self.every_seconds is not None and not (
+        isinstance(self.every_seconds, (int, float))
+        and not isinstance(self.every_seconds, bool)
+        and self.every_seconds > 0):
+      raise ValueError("config.checkpoint.every_seconds must be None or a "
+                       f"number > 0, got {self.every_seconds!r}.")
 
 
 @dataclasses.dataclass(frozen=True)

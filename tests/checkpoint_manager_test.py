@@ -272,12 +272,35 @@ def test_failed_async_save_names_path_and_os_reason(tmp_path, monkeypatch):
   # The failure surfaces from the background thread's result.
   monkeypatch.setattr(manager._manager, "check_for_errors", full_disk)
   with pytest.raises(manager_lib.CheckpointSaveError,
-                     match="No space left on device") as info:
+                     match=r"No space left on device \([0-9.]+ MiB free\)"
+                     ) as info:
     manager.check_for_errors()
   assert directory in str(info.value)
   monkeypatch.undo()
   manager.close()
   assert manifest.verify_manifest(os.path.join(directory, "1"))
+
+
+def test_a_save_warns_when_the_disk_has_less_room_than_the_last_step(
+    tmp_path, monkeypatch, caplog):
+  directory = str(tmp_path / "ckpt")
+  manager = manager_lib.CheckpointManager(directory)
+  usage = shutil.disk_usage(str(tmp_path))
+  with caplog.at_level(logging.WARNING):
+    manager.save(1, make_state(step=1))       # No earlier step: no check.
+    manager.wait_until_finished()
+    size = sum(os.path.getsize(os.path.join(root, name))
+               for root, _, names in os.walk(os.path.join(directory, "1"))
+               for name in names)
+    for free, warned in ((size, False), (size - 1, True)):
+      caplog.clear()
+      monkeypatch.setattr(manager_lib.shutil, "disk_usage",
+                          lambda _, free=free: usage._replace(free=free))
+      manager._warn_if_short_of_space(2)  # pylint: disable=protected-access
+      assert ("saving step 2 will probably fail" in caplog.text) == warned
+  assert f"took {size / 2**20:.1f} MiB" in caplog.text
+  monkeypatch.undo()
+  manager.close()
 
 
 @pytest.mark.parametrize("change,message", [

@@ -83,3 +83,12 @@ def test_command_line_style_override_of_a_none_field():
   with pytest.raises(AttributeError):
     c.model.not_a_field = 1
   assert isinstance(c.model, ml_collections.ConfigDict)
+
+
+def test_checkpoint_every_seconds_is_none_or_positive():
+  assert config.CheckpointConfig().every_seconds is None
+  assert config.CheckpointConfig(every_seconds=0.5).every_seconds == 0.5
+  for bad in (0, -1.0, True, "60"):
+    with pytest.raises(ValueError, match="every_seconds must be None or a "
+                       "number > 0"):
+      config.CheckpointConfig(every_seconds=bad)

@@ -88,7 +88,7 @@ def test_check_validates_once_and_casts_to_int32():
   for bad, message in ((SEG[:, :9], r"must be \[B,T\] = \(1, 10\)"),
                        (np.ones((1, 11), np.int32), r"got \(1, 11\)"),
                        (np.ones((2, 10), np.int32), r"got \(2, 10\)"),
-                       (types.SimpleNamespace(shape=(1, 10)), "got SimpleNamespace"),
+                       (types.SimpleNamespace(shape=(1, 10)), "Namespace"),
                        (SEG.astype(np.float32), "integer array"),
                        (SEG.astype(bool), "integer array"),
                        (SEG - 1, "must be >= 0"),

@@ -21,7 +21,7 @@ from kda_lm.checkpoint import compat, manifest
 from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import workdir as workdir_lib
 from kda_lm.train import loop as train_loop
-from kda_lm.train import metrics
+from kda_lm.train import metrics, preemption
 
 # Subprocesses (a new process for resuming, SIGKILL, 4 fake CPU devices) run
 # `train.py` on a generated config file; they share the TFDS data dir and a
@@ -385,6 +385,8 @@ class _LoopRun:
         train_row=self.log_row,
         writer=types.SimpleNamespace(flush=lambda: None))
     self.rows, self.checkpoints = [], []
+    self.preemption = preemption.Preemption(multi_process=False)
+    self.save_clock = preemption.SaveClock(None)
 
   @staticmethod
   def loss(step):
@@ -403,10 +405,14 @@ class _LoopRun:
   def log_row(self, step, row):
     self.rows.append((step, row))
 
-  def checkpoint(self, step, state):
+  def checkpoint(self, step, state, wait=False):
     del state
-    self.checkpoints.append(step)
+    self.checkpoints.append((step, "wait") if wait else step)
     self.clock.now += 50.0    # Left out of tokens/s (window.paused).
+    self.save_clock.saved()
+
+  def preempted(self, step):
+    return preemption.Preempted(step, "the test")
 
   def finish(self, state):
     del state

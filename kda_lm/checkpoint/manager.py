@@ -42,6 +42,7 @@ Usage:
 
 import os
 import re
+import shutil
 import time
 from typing import Any, Callable
 
@@ -155,6 +156,7 @@ class CheckpointManager:
     if step in self._manager.all_steps():
       logging.info("Checkpoint of step %d already exists; not saving.", step)
       return False
+    self._warn_if_short_of_space(step)
     items = {STATE_ITEM: ocp.args.StandardSave(state)}
     if data_iterator is not None:
       items[DATA_ITEM] = data_item.DataIteratorArgs(data_iterator)
@@ -172,14 +174,38 @@ class CheckpointManager:
       self._saving = step
     return bool(saved)
 
+  def _free_bytes(self) -> int | None:
+    try:
+      return shutil.disk_usage(self.directory).free
+    except OSError:
+      return None
+
+  def _warn_if_short_of_space(self, step: int) -> None:
+    """Warns when the disk has less room than the newest checkpoint took."""
+    last, free = self.latest_step(), self._free_bytes()
+    if last is None or free is None:
+      return
+    size = sum(os.path.getsize(os.path.join(root, name))
+               for root, _, names in os.walk(
+                   os.path.join(self.directory, str(last)))
+               for name in names)
+    if free < size:
+      logging.warning(
+          "Only %.1f MiB free in %s, and the checkpoint of step %d took "
+          "%.1f MiB: saving step %d will probably fail. Free space, or "
+          "lower config.checkpoint.max_to_keep.", free / 2**20,
+          self.directory, last, size / 2**20, step)
+
   def _save_error(self, step: int | None, error: BaseException
                   ) -> CheckpointSaveError:
     cause = _root_cause(error)
     where = self.directory if step is None else os.path.join(
         self.directory, str(step))
+    free = self._free_bytes()
+    room = "" if free is None else f" ({free / 2**20:.1f} MiB free)"
     return CheckpointSaveError(
         f"Saving the checkpoint {where} failed: {type(cause).__name__}: "
-        f"{cause}. Training stopped; the last complete checkpoint in "
+        f"{cause}{room}. Training stopped; the last complete checkpoint in "
         f"{self.directory} is intact (steps {self.all_steps()}).")
 
   def check_for_errors(self) -> None:

@@ -54,6 +54,7 @@ from kda_lm.checkpoint import state as state_lib
 from kda_lm.checkpoint import workdir as workdir_lib
 from kda_lm.parallel import distributed, sharding
 from kda_lm.train import metrics as metrics_lib
+from kda_lm.train import preemption as preemption_lib
 from kda_lm.train import step as step_lib
 
 TrainState = state_lib.TrainState
@@ -217,6 +218,8 @@ class _Run:
     self.start_step = 0
     self.last_checkpoint = None
     self.best_eval = None
+    self.preemption = preemption_lib.Preemption()
+    self.save_clock = preemption_lib.SaveClock(cfg.checkpoint.every_seconds)
 
   def check_finite(self, fetched: list[tuple[int, dict[str, float]]]
                    ) -> None:
@@ -240,10 +243,21 @@ class _Run:
         f"{step}: stopping (config.train.stop_at_eval_accuracy).")
     return True
 
-  def checkpoint(self, step: int, state: TrainState) -> None:
+  def checkpoint(self, step: int, state: TrainState,
+                 wait: bool = False) -> None:
+    """Saves `step` (asynchronously unless `wait`)."""
     if self.manager is not None and self.manager.save(
         step, state, self.train_it, config=self.config_json):
       self.last_checkpoint = step
+    if self.manager is not None and wait:
+      self.manager.wait_until_finished()
+    self.save_clock.saved()
+
+  def preempted(self, step: int) -> preemption_lib.Preempted:
+    where = ("nowhere: config.checkpoint.enabled is False"
+             if self.manager is None else
+             f"{self.manager.directory}/{self.last_checkpoint}")
+    return preemption_lib.Preempted(step, where)
 
   def finish(self, state: TrainState) -> None:
     logging.info("Done at step %d after %.1f s%s.",
@@ -305,11 +319,13 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
     if step == run.start_step + 1:
       logging.info("Step %d (compilation included) took %.1f s.", step,
                    window.time_first_step())
-    last = step == num_steps
+    preempted = run.preemption.reached(step)
+    last = step == num_steps or preempted
     do_log = step % cfg.train.log_every == 0 or last
-    do_eval = run.eval_batches is not None and (
+    do_eval = run.eval_batches is not None and not preempted and (
         step % cfg.eval.every_steps == 0 or last)
-    do_ckpt = step % cfg.checkpoint.every_steps == 0 or last
+    do_ckpt = (step % cfg.checkpoint.every_steps == 0 or last
+               or (do_log and run.save_clock.due()))
     if not (do_log or do_eval or (do_ckpt and run.manager is not None)):
       continue
     run.check_finite(window.fetch())
@@ -319,8 +335,11 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
     with window.paused():
       stop = do_eval and run.evaluate(step, state)
       if do_ckpt or stop:
-        run.checkpoint(step, state)
+        run.checkpoint(step, state, wait=preempted)
       run.output.writer.flush()
+    if preempted:
+      run.finish(state)
+      raise run.preempted(step)
     if stop:
       break
   run.finish(state)
@@ -346,6 +365,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
       (`workdir.ConfigChangedError`; see `config.train.allow_config_change`),
       or token ids outside the model vocabulary.
     FloatingPointError: a non-finite loss, gradient or update.
+    preemption.Preempted: SIGTERM or SIGINT; the current step was saved.
     workdir.WorkdirLockedError: another live process trains in `workdir`.
     manager.CheckpointSaveError: a checkpoint could not be written.
   """
@@ -367,7 +387,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
     run_config = state_lib.check_config(config)
     run = _Run(config, run_config, workdir, start_time)
     try:
-      state = _restore_or_init(run)
-      return _train_loop(run, state)
+      with run.preemption:
+        state = _restore_or_init(run)
+        return _train_loop(run, state)
     finally:
       run.close()
