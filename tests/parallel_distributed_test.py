@@ -7,7 +7,9 @@ against one process with two fake CPU devices fed the same global batch.
 
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +23,7 @@ import pytest
 
 from kda_lm import testing
 from kda_lm.parallel import distributed
-from kda_lm.train import metrics
+from kda_lm.train import metrics, preemption
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -373,3 +375,60 @@ def test_two_processes_match_one_and_resume(tmp_path):
     assert "Resuming from the checkpoint of step 5" in log, log[-3000:]
   _assert_rows_close(metrics.read_metrics(second), expected[5:],
                      ("loss", "accuracy", "grad_norm"))
+
+
+def _mesh_flags(address: str, process_id: int) -> list[str]:
+  return ["--config.mesh.distributed=True",
+          f"--config.mesh.coordinator_address={address}",
+          "--config.mesh.num_processes=2",
+          f"--config.mesh.process_id={process_id}",
+          "--config.mesh.coordinator_timeout_s=60"]
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
+  """SIGTERM to process 1 of 2: JAX's preemption sync point makes both stop
+  at one step k, both save it and exit with the preemption status, and a
+  rerun of both resumes from step k."""
+  data_dir, cache_dir = str(tmp_path / "tfds"), str(tmp_path / "jax_cache")
+  env = testing.subprocess_env(cache_dir)
+  workdir = str(tmp_path / "run")
+  address = f"127.0.0.1:{_free_port()}"
+  logs = [str(tmp_path / f"process_{i}.log") for i in range(2)]
+  procs = []
+  try:
+    for i, log in enumerate(logs):
+      with open(log, "w") as f:
+        procs.append(subprocess.Popen(
+            _train_flags(workdir, data_dir) + _mesh_flags(address, i)
+            + ["--config.train.num_steps=100000"],
+            cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and all(
+        p.poll() is None for p in procs):
+      if os.path.exists(os.path.join(workdir, metrics.METRICS_FILE)) and (
+          len(metrics.read_metrics(workdir)) >= 3):
+        break
+      time.sleep(0.1)
+    procs[1].send_signal(signal.SIGTERM)
+    for p in procs:
+      p.wait(timeout=120)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  steps = []
+  for p, log in zip(procs, logs, strict=True):
+    with open(log) as f:
+      out = f.read()
+    assert p.returncode == preemption.PREEMPTED_EXIT, out[-3000:]
+    found = re.findall(r"Preempted: stopped at step (\d+)", out)
+    assert found, out[-3000:]
+    steps.append(int(found[-1]))
+  k = steps[0]
+  assert steps == [k, k] and k >= 3
+  assert str(k) in os.listdir(os.path.join(workdir, "checkpoints"))
+  address = f"127.0.0.1:{_free_port()}"
+  commands = [_train_flags(workdir, data_dir) + _mesh_flags(address, i)
+              + [f"--config.train.num_steps={k + 2}"] for i in range(2)]
+  for out in _run_all(commands, env, str(tmp_path / "rerun"), 600):
+    assert f"Resuming from the checkpoint of step {k}" in out, out[-3000:]
