@@ -447,6 +447,9 @@ class MeshConfig:
   process_id: Optional[int] = None
   # Seconds every process may take to reach the coordinator (distributed).
   coordinator_timeout_s: int = 300
+  # Seconds without a heartbeat after which the coordination service
+  # declares a process dead and stops the others (distributed).
+  heartbeat_timeout_s: int = 100
 
 
 # The sections of a training config besides `data` (see data/pipeline.py).

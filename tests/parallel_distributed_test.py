@@ -432,3 +432,49 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
               + [f"--config.train.num_steps={k + 2}"] for i in range(2)]
   for out in _run_all(commands, env, str(tmp_path / "rerun"), 600):
     assert f"Resuming from the checkpoint of step {k}" in out, out[-3000:]
+
+
+def test_a_killed_process_stops_the_other_with_one_line(tmp_path):
+  """SIGKILL to process 1 of 2 mid-run: process 0 exits with
+  PEER_LOST_EXIT within 60 s (its next collective fails), naming the lost
+  process in one line, with no fatal-error dump; a rerun of both resumes
+  from the newest complete checkpoint."""
+  data_dir, cache_dir = str(tmp_path / "tfds"), str(tmp_path / "jax_cache")
+  env = testing.subprocess_env(cache_dir)
+  workdir = str(tmp_path / "run")
+  address = f"127.0.0.1:{_free_port()}"
+  logs = [str(tmp_path / f"process_{i}.log") for i in range(2)]
+  procs = []
+  try:
+    for i, log in enumerate(logs):
+      with open(log, "w") as f:
+        procs.append(subprocess.Popen(
+            _train_flags(workdir, data_dir) + _mesh_flags(address, i)
+            + ["--config.train.num_steps=100000",
+               "--config.mesh.heartbeat_timeout_s=30"],
+            cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and all(
+        p.poll() is None for p in procs):
+      if os.path.isdir(os.path.join(workdir, "checkpoints", "5")):
+        break
+      time.sleep(0.1)
+    procs[1].kill()
+    killed = time.monotonic()
+    procs[0].wait(timeout=120)
+    took = time.monotonic() - killed
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  with open(logs[0]) as f:
+    out = f.read()
+  assert procs[0].returncode == distributed.PEER_LOST_EXIT, out[-3000:]
+  assert took < 60, (took, out[-3000:])
+  assert "Process 0 of 2 lost process 1 of the run" in out, out[-3000:]
+  assert "Fatal Python error" not in out and "Check failure" not in out
+  address = f"127.0.0.1:{_free_port()}"
+  commands = [_train_flags(workdir, data_dir) + _mesh_flags(address, i)
+              for i in range(2)]
+  for out in _run_all(commands, env, str(tmp_path / "rerun"), 600):
+    assert "Resuming from the checkpoint of step" in out, out[-3000:]

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import os
 import socket
+import sys
 import time
 
 from absl import logging
@@ -40,6 +41,12 @@ _ADDRESS_KEYS = ("coordinator_address", "num_processes", "process_id")
 # Seconds process 0 waits, after every process has passed the shutdown
 # barrier, before it stops the coordinator (see `shutdown`).
 COORDINATOR_GRACE_S = 2.0
+# Exit status of a process that stopped because another process died.
+PEER_LOST_EXIT = 76
+# Words of the errors a collective or the coordination service raises when
+# another process of the job is gone.
+_LOST_PEER_SIGNS = ("Gloo", "Connection reset", "heartbeat", "unhealthy",
+                    "UNAVAILABLE", "barrier")
 CPU_COLLECTIVES_ENV = "JAX_CPU_COLLECTIVES_IMPLEMENTATION"
 
 
@@ -53,11 +60,14 @@ class Options:
     num_processes: processes in the job.
     process_id: this process, in [0, num_processes).
     timeout_s: seconds to wait for every process to reach the coordinator.
+    heartbeat_s: seconds without a heartbeat before a process counts as
+      dead.
   """
   coordinator_address: str | None
   num_processes: int | None
   process_id: int | None
   timeout_s: int
+  heartbeat_s: int = 100
 
 
 def options(mesh_config: ml_collections.ConfigDict) -> Options | None:
@@ -88,8 +98,12 @@ def options(mesh_config: ml_collections.ConfigDict) -> Options | None:
   if timeout < 1:
     raise ValueError(f"config.mesh.coordinator_timeout_s must be >= 1 s, "
                      f"got {mesh_config.get('coordinator_timeout_s')}.")
+  heartbeat = int(mesh_config.get("heartbeat_timeout_s") or 100)
+  if heartbeat < 1:
+    raise ValueError(f"config.mesh.heartbeat_timeout_s must be >= 1 s, "
+                     f"got {mesh_config.get('heartbeat_timeout_s')}.")
   if missing:
-    return Options(None, None, None, timeout)
+    return Options(None, None, None, timeout, heartbeat)
   address = str(values["coordinator_address"])
   host, _, port = address.rpartition(":")
   if not host or not port.isdigit():
@@ -101,7 +115,7 @@ def options(mesh_config: ml_collections.ConfigDict) -> Options | None:
   if not 0 <= pid < num:
     raise ValueError(f"config.mesh.process_id must be in [0, {num}) "
                      f"(config.mesh.num_processes={num}), got {pid}.")
-  return Options(address, num, pid, timeout)
+  return Options(address, num, pid, timeout, heartbeat)
 
 
 def _use_gloo_on_cpu() -> None:
@@ -209,7 +223,8 @@ def initialize(mesh_config: ml_collections.ConfigDict) -> bool:
     jax.distributed.initialize(
         coordinator_address=opts.coordinator_address,
         num_processes=opts.num_processes, process_id=opts.process_id,
-        initialization_timeout=opts.timeout_s)
+        initialization_timeout=opts.timeout_s,
+        heartbeat_timeout_seconds=opts.heartbeat_s)
   except ValueError as e:
     if opts.coordinator_address is not None:
       raise
@@ -279,3 +294,29 @@ def shutdown(grace_s: float = COORDINATOR_GRACE_S) -> None:
                  "has disconnected.", grace_s)
     time.sleep(grace_s)
     service.shutdown()
+
+
+def lost_peer(error: BaseException) -> bool:
+  """Whether `error` says that another process of the job is gone."""
+  return jax.process_count() > 1 and any(
+      sign in str(error) for sign in _LOST_PEER_SIGNS)
+
+
+def stop_for_lost_peer(error: BaseException) -> None:
+  """Logs one line and exits with `PEER_LOST_EXIT` at once.
+
+  `os._exit` skips JAX's exit handler, whose shutdown barrier would wait
+  for the dead process until the heartbeat timeout and then abort with a
+  fatal-error dump.
+  """
+  index, count = jax.process_index(), jax.process_count()
+  peer = f"process {1 - index}" if count == 2 else "another process"
+  first = (str(error).strip().splitlines() or [""])[0][:300]
+  logging.error(
+      "Process %d of %d lost %s of the run (%s: %s). Stopping; restart "
+      "every process to resume from the newest complete checkpoint.",
+      index, count, peer, type(error).__name__, first)
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(PEER_LOST_EXIT)  # pylint: disable=protected-access

@@ -390,5 +390,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
       with run.preemption:
         state = _restore_or_init(run)
         return _train_loop(run, state)
+    except Exception as error:
+      if distributed.lost_peer(error):
+        # Exits at once: closing would wait for the dead process.
+        distributed.stop_for_lost_peer(error)
+      raise
     finally:
       run.close()
