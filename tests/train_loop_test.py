@@ -1,6 +1,7 @@
 """Tests of train.loop and train.py: runs, resume, faults, log rows, meshes."""
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import time
 import types
+from unittest import mock
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
@@ -17,7 +19,7 @@ import pytest
 
 from data import pipeline
 from kda_lm import testing
-from kda_lm.checkpoint import compat, manifest
+from kda_lm.checkpoint import compat, data_item, manifest
 from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import workdir as workdir_lib
 from kda_lm.train import loop as train_loop
@@ -261,6 +263,7 @@ def test_nan_loss_stops_without_saving(tmp_path, data_dir, cache_dir,
 _FOUR_DEVICES = """
 import importlib.util
 import json
+import logging
 import sys
 
 import jax
@@ -572,5 +575,44 @@ def test_failed_save_stops_the_run_naming_the_reason(tmp_path, data_dir,
       os.path.join(workdir, "checkpoints", "2"))
   # The lock was released: the run can be resumed at once.
   monkeypatch.undo()
+  state = train_loop.train_and_evaluate(config, workdir)
+  assert int(state.step) == 6
+
+
+def test_failed_background_save_stops_with_one_line(tmp_path, data_dir,
+                                                    caplog):
+  """The data item of step 4 fails in Orbax's background thread (a full
+  disk): the run stops with a `CheckpointSaveError` naming the step, the
+  cause and the free space; Orbax's thread traceback stays out of the log
+  (`metrics.quiet_library_logs`); step 2 restores."""
+  workdir = str(tmp_path / "run")
+  real_save = data_item.DataIteratorHandler.save
+
+  def save(self, directory, args):
+    if os.path.basename(os.path.dirname(str(directory))).startswith("4."):
+      raise OSError(28, "No space left on device")
+    return real_save(self, directory, args)
+
+  logger = metrics.logging.get_absl_logger()
+  before = list(logger.filters)
+  metrics.quiet_library_logs()
+  config = tiny_config(data_dir, train__num_steps=6, eval__every_steps=0,
+                       checkpoint__every_steps=2)
+  try:
+    with mock.patch.object(data_item.DataIteratorHandler, "save", save), (
+        caplog.at_level(logging.DEBUG + 1)), pytest.raises(
+            manager_lib.CheckpointSaveError,
+            match=r"checkpoints/4 failed: OSError: \[Errno 28\] No space "
+            r"left on device \([0-9.]+ MiB free\)"):
+      train_loop.train_and_evaluate(config, workdir)
+  finally:
+    for f in list(logger.filters):
+      if f not in before:
+        logger.removeFilter(f)
+  assert not [r for r in caplog.records if r.exc_info], [
+      r.getMessage()[:200] for r in caplog.records if r.exc_info]
+  manager = manager_lib.CheckpointManager(workdir_lib.checkpoint_dir(workdir))
+  assert manager.latest_step() == 2
+  manager.close()
   state = train_loop.train_and_evaluate(config, workdir)
   assert int(state.step) == 6

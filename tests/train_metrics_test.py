@@ -120,6 +120,38 @@ def test_library_info_lines_are_dropped(lib):
   assert keep(_record(logging.WARNING + 5, path)) == want_warnings
 
 
+def test_orbax_thread_tracebacks_go_to_the_debug_log():
+  """A failed background save: Orbax's thread logs an ERROR with its
+  traceback; shown only at debug verbosity (as DEBUG), never dropped for
+  other libraries or without a traceback."""
+  keep = metrics._LibraryInfoFilter().filter
+  try:
+    raise OSError(28, "No space left on device")
+  except OSError:
+    exc_info = sys.exc_info()
+
+  def traced(path, level=logging.ERROR):
+    return logging.LogRecord("absl", level, path, 1, "save failed", None,
+                             exc_info)
+
+  orbax = "/venv/site-packages/orbax/checkpoint/future.py"
+  logger = metrics.logging.get_absl_logger()
+  level = logger.level
+  try:
+    logger.setLevel(logging.INFO)
+    assert not keep(traced(orbax))
+    assert not keep(traced(orbax, logging.CRITICAL))
+    assert keep(_record(logging.ERROR, orbax))          # No traceback.
+    assert keep(traced("/work/kda_lm/train/loop.py"))
+    assert keep(traced("/venv/site-packages/jax/api.py"))
+    logger.setLevel(logging.DEBUG)
+    record = traced(orbax)
+    assert keep(record) and record.levelname == "DEBUG"
+    assert record.levelno == logging.DEBUG and record.exc_info
+  finally:
+    logger.setLevel(level)
+
+
 def test_own_code_logs_at_every_level():
   keep = metrics._LibraryInfoFilter().filter
   for level in (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR):

@@ -44,6 +44,14 @@ class _LibraryInfoFilter(std_logging.Filter):
 
   def filter(self, record: std_logging.LogRecord) -> bool:
     path = record.pathname
+    if record.exc_info and "/orbax/" in path:
+      # A failed background save's traceback, logged by Orbax's threads:
+      # the run stops with one `CheckpointSaveError` line, and the
+      # traceback is kept for the debug log (--verbosity=1).
+      if not logging.get_absl_logger().isEnabledFor(std_logging.DEBUG):
+        return False
+      record.levelno, record.levelname = std_logging.DEBUG, "DEBUG"
+      return True
     if record.levelno >= std_logging.ERROR:
       return True
     if record.levelno >= std_logging.WARNING:
@@ -52,7 +60,8 @@ class _LibraryInfoFilter(std_logging.Filter):
 
 
 def quiet_library_logs() -> None:
-  """Drops INFO logs of Orbax, TF, TFDS and JAX, and TFDS warnings."""
+  """Drops INFO logs of Orbax, TF, TFDS and JAX, and TFDS warnings; Orbax's
+  tracebacks go to the debug log."""
   logger = logging.get_absl_logger()
   if not any(isinstance(f, _LibraryInfoFilter) for f in logger.filters):
     logger.addFilter(_LibraryInfoFilter())
