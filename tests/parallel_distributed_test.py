@@ -385,6 +385,20 @@ def _mesh_flags(address: str, process_id: int) -> list[str]:
           "--config.mesh.coordinator_timeout_s=60"]
 
 
+def _start_two(tmp_path, workdir, data_dir, env, *flags):
+  """Starts both processes of an endless run; returns (procs, log paths)."""
+  address = f"127.0.0.1:{_free_port()}"
+  logs = [str(tmp_path / f"process_{i}.log") for i in range(2)]
+  procs = []
+  for i, log in enumerate(logs):
+    with open(log, "w") as f:
+      procs.append(subprocess.Popen(
+          _train_flags(workdir, data_dir) + _mesh_flags(address, i)
+          + ["--config.train.num_steps=100000", *flags],
+          cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
+  return procs, logs
+
+
 def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
   """SIGTERM to process 1 of 2: JAX's preemption sync point makes both stop
   at one step k, both save it and exit with the preemption status, and a
@@ -392,16 +406,8 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
   data_dir, cache_dir = str(tmp_path / "tfds"), str(tmp_path / "jax_cache")
   env = testing.subprocess_env(cache_dir)
   workdir = str(tmp_path / "run")
-  address = f"127.0.0.1:{_free_port()}"
-  logs = [str(tmp_path / f"process_{i}.log") for i in range(2)]
-  procs = []
+  procs, logs = _start_two(tmp_path, workdir, data_dir, env)
   try:
-    for i, log in enumerate(logs):
-      with open(log, "w") as f:
-        procs.append(subprocess.Popen(
-            _train_flags(workdir, data_dir) + _mesh_flags(address, i)
-            + ["--config.train.num_steps=100000"],
-            cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and all(
         p.poll() is None for p in procs):
@@ -442,17 +448,9 @@ def test_a_killed_process_stops_the_other_with_one_line(tmp_path):
   data_dir, cache_dir = str(tmp_path / "tfds"), str(tmp_path / "jax_cache")
   env = testing.subprocess_env(cache_dir)
   workdir = str(tmp_path / "run")
-  address = f"127.0.0.1:{_free_port()}"
-  logs = [str(tmp_path / f"process_{i}.log") for i in range(2)]
-  procs = []
+  procs, logs = _start_two(tmp_path, workdir, data_dir, env,
+                          "--config.mesh.heartbeat_timeout_s=30")
   try:
-    for i, log in enumerate(logs):
-      with open(log, "w") as f:
-        procs.append(subprocess.Popen(
-            _train_flags(workdir, data_dir) + _mesh_flags(address, i)
-            + ["--config.train.num_steps=100000",
-               "--config.mesh.heartbeat_timeout_s=30"],
-            cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and all(
         p.poll() is None for p in procs):

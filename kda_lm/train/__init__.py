@@ -6,6 +6,8 @@
   save).
 * `metrics`: `metrics.jsonl`, TensorBoard, the console progress, the
   averaging window of a log row.
+* `preemption`: SIGTERM/SIGINT to a saved step and exit status 75 (all
+  processes at one step), time-based checkpoints.
 
 May import: `data`, every lower room of `kda_lm` (`config`, `model`,
 `losses`, `optimizer`, `layers`, `parallel`, `checkpoint`). Never
