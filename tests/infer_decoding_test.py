@@ -250,26 +250,16 @@ def test_sampler_draws_from_the_filtered_softmax_exactly(case, monkeypatch):
   exactly log of the filtered, renormalised distribution (up to a
   constant): -inf on every dropped token and nowhere else."""
   (t, k, p), kept = SAMPLING_CASES[case]
-  seen = []
-
-  def categorical(key, logits, axis=-1):
-    del key
-    seen.append(np.asarray(logits, np.float64))
-    return jnp.argmax(logits, axis=axis)
-
-  monkeypatch.setattr(jax.random, "categorical", categorical)
-  logits = jnp.asarray(np.stack([LOGITS_W, LOGITS_W[::-1]]), jnp.float32)
-  with jax.disable_jit():
-    decoding.sample_logits(logits, jax.random.key(0), temperature=t,
-                           top_k=k, top_p=p)
-  assert len(seen) == 1, "the sampler no longer calls categorical"
-  for row, want_logits in zip(seen[0], (LOGITS_W, LOGITS_W[::-1]),
+  drawn = _logits_drawn_from(monkeypatch,
+                             np.stack([LOGITS_W, LOGITS_W[::-1]]),
+                             temperature=t, top_k=k, top_p=p)
+  for row, want_logits in zip(drawn, (LOGITS_W, LOGITS_W[::-1]),
                               strict=True):
     want = sampling_probs(want_logits, t, k, p)
     np.testing.assert_array_equal(np.isfinite(row), want > 0)
     got = np.exp(row - row[np.isfinite(row)].max())
     np.testing.assert_allclose(got / got.sum(), want, rtol=1e-6, atol=1e-7)
-  assert np.flatnonzero(np.isfinite(seen[0][0])).tolist() == kept
+  assert np.flatnonzero(np.isfinite(drawn[0])).tolist() == kept
 
 
 N_DRAWS = 40_000
@@ -348,7 +338,7 @@ def _logits_drawn_from(monkeypatch, logits_BW, **options):
   with jax.disable_jit():
     decoding.sample_logits(jnp.asarray(logits_BW, jnp.float32),
                            jax.random.key(0), **options)
-  assert len(seen) == 1
+  assert len(seen) == 1, "the sampler no longer calls categorical"
   return seen[0]
 
 
