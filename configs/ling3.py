@@ -80,6 +80,7 @@ def model_config(size: str) -> ml_collections.ConfigDict:
   m.n_group = 8                   # chosen from 4 of 8 expert groups.
   m.topk_group = 4
   m.compute_dtype = "bfloat16"    # Activations as trained.
+  m.scan_layers = True            # One compiled copy of the layer group.
   values = dict(_PER_SIZE[size])
   m.attention_pattern = model_lib.ling_pattern(*values.pop("layers"))
   m.update(values)

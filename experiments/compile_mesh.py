@@ -55,11 +55,6 @@ DEFAULT_ROWS = ["v5p:fsdp=4:4", "v5p:data=4:4", "v5p:data=2+fsdp=2:4",
                 "v5p:context=2+fsdp=2:4", "h100x4:fsdp=4:4",
                 "h100x4:data=2+fsdp=2:4", "h100x1:data=1:1",
                 "h100x1:data=1:1:dense"]
-_ROWS = flags.DEFINE_list("rows", DEFAULT_ROWS, "target:mesh:B[:dense].")
-_LAYERS = flags.DEFINE_integer("layers", 4, "Decoder layers (KKKM...).")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "T, tokens per row.")
-_MAX_RATIO = flags.DEFINE_float("max_ratio", 1.3,
-                                "Largest compiled / analytic FLOPs.")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 H100_SPEC = os.path.join(HERE, "targets", "h100_sxm.txtpb")
@@ -154,7 +149,7 @@ def compile_step(m, mesh_config, devs, B, T, platform):
   init = state_lib.make_init_fn(model, tx, T)
   with backend(platform):
     abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
-  shardings = sharding.state_shardings(abstract, mesh)
+  shardings = state_lib.state_shardings(abstract, mesh)
   state = sharding.with_shardings(abstract, shardings)
   rows = sharding.batch_sharding(mesh)
   tok = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=rows)
@@ -224,16 +219,17 @@ def fmt(row):
 
 def main(argv):
   del argv
-  m = model_config(_LAYERS.value)
+  FLAGS = flags.FLAGS  # pylint: disable=invalid-name
+  m = model_config(FLAGS.layers)
   print(f"jax {jax.__version__}; Ling-3.0-tiny widths, pattern "
-        f"{m.attention_pattern}, T={_SEQ_LEN.value}, kda_impl and "
+        f"{m.attention_pattern}, T={FLAGS.seq_len}, kda_impl and "
         f"moe_impl auto, {m.compute_dtype} activations", flush=True)
   print(HEADER)
   print("|" + "---|" * 8, flush=True)
   rows = []
-  for spec in _ROWS.value:
-    row = check(run_row(spec, _LAYERS.value, _SEQ_LEN.value),
-                _MAX_RATIO.value)
+  for spec in FLAGS.rows:
+    row = check(run_row(spec, FLAGS.layers, FLAGS.seq_len),
+                FLAGS.max_ratio)
     print(fmt(row), flush=True)
     rows.append(row)
   bad = [r for r in rows if r.problems]
@@ -241,5 +237,15 @@ def main(argv):
   return 1 if bad or not rows else 0
 
 
+def define_flags():
+  """The command's flags (defined only when run: `experiments.fit`
+  imports this module's functions)."""
+  flags.DEFINE_list("rows", DEFAULT_ROWS, "target:mesh:B[:dense].")
+  flags.DEFINE_integer("layers", 4, "Decoder layers (KKKM...).")
+  flags.DEFINE_integer("seq_len", 4096, "T, tokens per row.")
+  flags.DEFINE_float("max_ratio", 1.3, "Largest compiled / analytic FLOPs.")
+
+
 if __name__ == "__main__":
+  define_flags()
   app.run(lambda argv: sys.exit(main(argv)))

@@ -24,6 +24,9 @@ from kda_lm.ops import gmm
 from kda_lm.ops.kda import api as kda_api
 
 LAYER_KINDS = {"K": "kda", "M": "mla"}
+# What a layer keeps for the backward pass (`config.train.remat`; each is
+# described in `kda_lm/stack.py`), from most memory to least.
+REMAT_POLICIES = ("none", "save_dots", "save_outputs", "full")
 DTYPES = ("float32", "bfloat16", "float16")
 
 T = TypeVar("T")
@@ -243,6 +246,9 @@ class ModelConfig:
   mtp_loss_scale: float = 0.1
   # Mixer of the MTP blocks: K or M.
   mtp_layer_kind: str = "M"
+  # Run the repeated layer group (`kda_lm/stack.py`) under one scan:
+  # parameters stacked on a leading axis, compile time flat in depth.
+  scan_layers: bool = False
 
   @classmethod
   def from_config(cls, values: Any) -> "ModelConfig":
@@ -382,12 +388,22 @@ class TrainConfig:
   # them; config_history.jsonl records the change). Off: such a resume is
   # refused, listing `key: saved -> given`.
   allow_config_change: bool = False
+  # Rematerialisation per layer: none | save_dots | save_outputs | full
+  # (REMAT_POLICIES; what each keeps: kda_lm/stack.py).
+  remat: str = "none"
+  # Micro-batches per optimizer step: the step's batch (data.batch_size
+  # rows) runs in this many slices of batch_size / n rows, gradients and
+  # statistics summed, the update that of the whole batch.
+  grad_accum_steps: int = 1
 
   def __post_init__(self):
-    for name in ("num_steps", "log_every"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"config.train.{name} must be >= 1, got "
-                         f"{getattr(self, name)}.")
+    for name in ("num_steps", "log_every", "grad_accum_steps"):
+      if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+        raise ValueError(f"config.train.{name} must be an int >= 1, got "
+                         f"{getattr(self, name)!r}.")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"config.train.remat must be one of "
+                       f"{REMAT_POLICIES}, got {self.remat!r}.")
 
 
 @dataclasses.dataclass(frozen=True)

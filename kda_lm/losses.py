@@ -36,12 +36,25 @@ def loss_terms(logits: jax.Array, batch: Batch
   return (ce * mask).sum(), (correct * mask).sum(), mask.sum()
 
 
-def mtp_loss(mtp_logits: jax.Array, batch: Batch) -> jax.Array:
+def mtp_weights(batch: Batch, num_layers: int) -> jax.Array:
+  """[num_layers] float32: each MTP layer's scored-target count (the
+  `loss_mask` sum of `kda_lm.layers.mtp.targets_and_mask`)."""
+  return jnp.stack([
+      mtp.targets_and_mask(batch["targets"], batch["loss_mask"],
+                           batch["segment_ids"], k)[1].sum()
+      for k in range(1, num_layers + 1)])
+
+
+def mtp_loss(mtp_logits: jax.Array, batch: Batch,
+             weights: Optional[jax.Array] = None) -> jax.Array:
   """Mean MTP cross-entropy over MTP layers, segment-aware.
 
   Args:
     mtp_logits: [num_mtp_layers, B,T,W]; layer k-1 predicts t_{i+k+1}.
     batch: with `targets`, `loss_mask` and `segment_ids`.
+    weights: [num_mtp_layers] each layer's denominator, default its count
+      in `batch` (`mtp_weights`); gradient accumulation passes the full
+      batch's, so that the micro-batches' losses add up to the batch's.
 
   Returns:
     The float32 mean over layers of each layer's masked mean cross-entropy
@@ -53,7 +66,8 @@ def mtp_loss(mtp_logits: jax.Array, batch: Batch) -> jax.Array:
                                          batch["segment_ids"], k)
     ce = optax.softmax_cross_entropy_with_integer_labels(
         mtp_logits[k - 1].astype(jnp.float32), targets)
-    losses.append((ce * mask).sum() / jnp.maximum(mask.sum(), 1.0))
+    weight = mask.sum() if weights is None else weights[k - 1]
+    losses.append((ce * mask).sum() / jnp.maximum(weight, 1.0))
   return jnp.mean(jnp.stack(losses))
 
 

@@ -32,10 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda_lm import config as config_lib
-from kda_lm import segments
-from kda_lm.layers import kda, linear, mla, mlp, moe, mtp, norm
+from kda_lm import segments, stack
+from kda_lm.layers import block, kda, linear, mla, moe, mtp, norm
 
-# A decode cache: one `kda.KDACache` or `mla.MLACache` per decoder layer.
+# A decode cache: one `kda.KDACache` or `mla.MLACache` per unrolled layer
+# and per slot of a scanned group (stacked over its repeats; `decoder_stack`).
 Cache = tuple
 
 
@@ -62,79 +63,6 @@ def ling_pattern(num_layers: int, layer_group_size: int) -> str:
            for i in range(num_layers)]
   kinds[-1] = "M"
   return "".join(kinds)
-
-
-class DecoderBlock(hk.Module):
-  """Pre-norm block: `x + mixer(norm(x))`, then `x + FFN(norm(x))`.
-
-  FFN is a dense SwiGLU, or with `use_moe` the MoE of
-  `kda_lm/layers/moe.py`.
-  """
-
-  def __init__(self, kind: str, cfg: config_lib.ModelConfig,
-               use_moe: bool = False, name: Optional[str] = None):
-    """Initialises the module.
-
-    Args:
-      kind: "K" (KDA) or "M" (MLA).
-      cfg: the model config.
-      use_moe: a MoE feed-forward instead of the dense SwiGLU.
-      name: module name.
-    """
-    super().__init__(name=name)
-    self.kind = kind
-    self.cfg = cfg
-    self.use_moe = use_moe
-
-  def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array],
-               positions: Optional[jax.Array], *, cache: Any = None,
-               max_len: Optional[int] = None) -> tuple[Any, ...]:
-    """Maps `x [B,T,D]` to (`[B,T,D]`, expert load [E] or None).
-
-    With a decode `cache` (the mixer's `KDACache` or `MLACache`) or a
-    prefill's `max_len` (see `kda_lm.infer.decoding`), returns `(x, load,
-    mixer cache)`.
-    """
-    cfg = self.cfg
-    pdt = jnp.dtype(cfg.param_dtype)
-    eps = cfg.norm_eps
-    with_cache = cache is not None or max_len is not None
-    h = norm.RMSNorm(eps, pdt, name="attn_norm")(x)
-    if self.kind == "K":
-      h = kda.KimiDeltaAttention(
-          cfg.num_heads, cfg.head_dim, head_v_dim=cfg.kda_head_v_dim,
-          gate=cfg.kda_gate, conv_size=cfg.conv_size,
-          conv_bias=cfg.conv_bias, norm_eps=eps, impl=cfg.kda_impl,
-          chunk_size=cfg.kda_chunk_size, param_dtype=pdt, name="kda")(
-              h, segment_ids, cache=cache, return_cache=with_cache)
-    else:
-      h = mla.MultiHeadLatentAttention(
-          cfg.mla_num_heads, q_lora_rank=cfg.q_lora_rank,
-          kv_lora_rank=cfg.kv_lora_rank,
-          qk_nope_head_dim=cfg.qk_nope_head_dim,
-          qk_rope_head_dim=cfg.qk_rope_head_dim,
-          v_head_dim=cfg.v_head_dim, rope_theta=cfg.rope_theta,
-          use_nope=cfg.use_nope, output_gate=cfg.mla_output_gate,
-          norm_eps=eps, param_dtype=pdt, name="mla")(
-              h, segment_ids, positions, cache=cache, max_len=max_len)
-    if with_cache:
-      h, cache = h
-    x = x + h
-    h = norm.RMSNorm(eps, pdt, name="mlp_norm")(x)
-    if not self.use_moe:
-      out = x + mlp.SwiGLU(cfg.mlp_hidden_dim, param_dtype=pdt,
-                           name="mlp")(h), None
-    else:
-      h, load = moe.MoE(
-          cfg.num_experts, cfg.num_experts_per_tok,
-          cfg.moe_intermediate_size,
-          num_shared_experts=cfg.num_shared_experts,
-          routed_scaling_factor=cfg.routed_scaling_factor,
-          n_group=cfg.n_group, topk_group=cfg.topk_group,
-          param_dtype=pdt, impl=cfg.moe_impl, name="moe")(
-              h, None if segment_ids is None else segment_ids != 0)
-      out = x + h, load
-    return out + (cache,) if with_cache else out
 
 
 def _check_int_array(name: str, x: Any, shape: Optional[tuple[int, ...]]):
@@ -248,46 +176,117 @@ def _mtp_layers(cfg, emb_BTD, h_BTD, head, segment_ids, positions):
                       0).astype(emb_BTD.dtype)
     with hk.name_scope(f"mtp_{k - 1}"):
       h_BTD = mtp.MTPInput(cfg.norm_eps, pdt, name="input")(e_BTD, h_BTD)
-      h_BTD, load = DecoderBlock(cfg.mtp_layer_kind, cfg,
+      h_BTD, load = block.DecoderBlock(cfg.mtp_layer_kind, cfg,
                                  bool(cfg.num_experts), name="block")(
                                      h_BTD, segment_ids, positions)
       if load is not None:
-        loads.append(load)
+        loads.append(load[None])
       logits.append(head(norm.RMSNorm(cfg.norm_eps, pdt,
                                       name="final_norm")(h_BTD)))
   return logits, loads
+
+
+def _run_block(cfg: config_lib.ModelConfig, layer: int, name: str,
+               x_BTD: jax.Array, segment_ids, positions, *, with_cache: bool,
+               cache: Any, max_len: Optional[int], remat: str,
+               in_scan: bool) -> tuple[jax.Array, Any, Any]:
+  """One decoder layer (layer index `layer`'s kinds, module `name`).
+
+  Returns:
+    (x [B,T,D], MoE load [1,E] or None, the layer's cache or None).
+  """
+  layer_fn = block.DecoderBlock(cfg.attention_pattern[layer], cfg,
+                                cfg.is_moe_layer(layer), name=name)
+  if with_cache:
+    x_BTD, load, cache = layer_fn(x_BTD, segment_ids, positions, cache=cache,
+                               max_len=max_len if cache is None else None)
+  else:
+    fn = stack.rematted(lambda x, s, p: layer_fn(x, s, p), remat,
+                        in_scan=in_scan)
+    x_BTD, load = fn(x_BTD, segment_ids, positions)
+  return x_BTD, None if load is None else load[None], cache
+
+
+def _scanned_group(cfg, plan: stack.LayerPlan, x_BTD, segment_ids,
+                   positions, *, with_cache: bool, cache: Optional[tuple],
+                   max_len: Optional[int], remat: str):
+  """The group's N repeats under one `hk.layer_stack`.
+
+  Returns:
+    (x, MoE loads [N * MoE slots, E] in layer order or None, the slots'
+    caches stacked over N or None).
+  """
+  def body(x_BTD, _, slot_caches):
+    loads, caches = [], []
+    for j in range(plan.period):
+      x_BTD, load, layer_cache = _run_block(
+          cfg, plan.layer(0, j), stack.slot_name(j), x_BTD, segment_ids,
+          positions, with_cache=with_cache,
+          cache=None if slot_caches is None else slot_caches[j],
+          max_len=max_len, remat=remat, in_scan=True)
+      if load is not None:
+        loads.append(load[0])
+      caches.append(layer_cache)
+    return x_BTD, (tuple(loads), tuple(caches) if with_cache else None)
+
+  scan = hk.layer_stack(plan.repeats, with_per_layer_inputs=True,
+                        name=stack.SCAN_NAME)
+  x_BTD, (loads, caches) = scan(body)(
+      x_BTD, jnp.arange(plan.repeats), cache)
+  if not loads:
+    return x_BTD, None, caches
+  # [N, slots, E] -> rows r-major, slot-minor: the layer order.
+  return (x_BTD, jnp.stack(loads, axis=1).reshape(-1, loads[0].shape[-1]),
+          caches)
 
 
 def decoder_stack(cfg: config_lib.ModelConfig, x_BTD: jax.Array,
                   segment_ids: Optional[jax.Array],
                   positions: Optional[jax.Array], *,
                   cache: Optional[Cache] = None,
-                  max_len: Optional[int] = None
+                  max_len: Optional[int] = None, remat: str = "none"
                   ) -> tuple[jax.Array, list[jax.Array], Optional[Cache]]:
   """The layers of `attention_pattern`, in one of three modes.
 
-  * training: `cache` and `max_len` None; returns no cache;
+  * training: `cache` and `max_len` None; returns no cache; each layer
+    under the `remat` policy (`kda_lm.stack`);
   * prefill: `max_len` (cache slots per row) given; returns each layer's
     cache after the prompt;
   * decode: `cache` given (one token per row); returns the updated cache.
 
+  With `scan_layers`, the group of `stack.layer_plan` runs as one scan.
+  The cache holds one entry per unrolled layer and one per group slot
+  (stacked over the repeats), in layer order.
+
   Returns:
-    (x [B,T,D], MoE loads [E] of the MoE layers, the cache or None).
+    (x [B,T,D], MoE loads as [k,E] blocks in layer order, the cache or
+    None).
   """
+  plan = stack.layer_plan(cfg)
   with_cache = cache is not None or max_len is not None
+  entries = iter(cache if cache is not None else ())
   loads, new_cache = [], []
-  for i, kind in enumerate(cfg.attention_pattern):
-    block = DecoderBlock(kind, cfg, cfg.is_moe_layer(i), name=f"layer_{i}")
-    if not with_cache:
-      x_BTD, load = block(x_BTD, segment_ids, positions)
-    else:
-      x_BTD, load, layer_cache = block(
-          x_BTD, segment_ids, positions,
-          cache=None if cache is None else cache[i],
-          max_len=max_len if cache is None else None)
+
+  def unrolled(layers, x_BTD):
+    for i in layers:
+      x_BTD, load, layer_cache = _run_block(
+          cfg, i, stack.layer_name(i), x_BTD, segment_ids, positions,
+          with_cache=with_cache, cache=next(entries, None),
+          max_len=max_len, remat=remat, in_scan=False)
+      loads.extend([] if load is None else [load])
       new_cache.append(layer_cache)
-    if load is not None:
-      loads.append(load)
+    return x_BTD
+
+  x_BTD = unrolled(plan.head, x_BTD)
+  if plan.period:
+    slots = None if cache is None else tuple(
+        next(entries) for _ in range(plan.period))
+    x_BTD, group_loads, slot_caches = _scanned_group(
+        cfg, plan, x_BTD, segment_ids, positions, with_cache=with_cache,
+        cache=slots, max_len=max_len, remat=remat)
+    loads.extend([] if group_loads is None else [group_loads])
+    new_cache.extend(slot_caches or ())
+  x_BTD = unrolled(plan.tail, x_BTD)
   return x_BTD, loads, tuple(new_cache) if with_cache else None
 
 
@@ -295,7 +294,7 @@ def forward(cfg: config_lib.ModelConfig, tokens: jax.Array,
             segment_ids: Optional[jax.Array] = None,
             positions: Optional[jax.Array] = None, *,
             return_aux: bool = False, cache: Optional[Cache] = None,
-            max_len: Optional[int] = None) -> Any:
+            max_len: Optional[int] = None, remat: str = "none") -> Any:
   """The decoder; call inside `hk.transform` (see `build`).
 
   Training, prefill and decode are three modes of this one function (see
@@ -312,6 +311,8 @@ def forward(cfg: config_lib.ModelConfig, tokens: jax.Array,
     cache: decode mode: the cache of the previous prefill or step (one
       `KDACache` or `MLACache` per layer); `tokens` is [B,1].
     max_len: prefill mode: S, the cache slots per row.
+    remat: training mode: what each layer keeps for the backward pass
+      (`kda_lm.stack.REMAT_POLICIES`).
 
   Returns:
     [B,T,W] float32 logits (padding rows hold finite garbage); with
@@ -334,7 +335,8 @@ def forward(cfg: config_lib.ModelConfig, tokens: jax.Array,
   emb_WD, head = embedding_and_head(cfg)
   emb_BTD = embed(cfg, emb_WD, tokens)
   x_BTD, loads, cache = decoder_stack(cfg, emb_BTD, segment_ids, positions,
-                                      cache=cache, max_len=max_len)
+                                      cache=cache, max_len=max_len,
+                                      remat=remat)
   logits_BTW = head(norm.RMSNorm(cfg.norm_eps, pdt, name="final_norm")(
       x_BTD))
   if with_cache:
@@ -346,18 +348,20 @@ def forward(cfg: config_lib.ModelConfig, tokens: jax.Array,
   loads += mtp_loads
   aux = {}
   if loads:
-    aux["expert_load"] = jnp.stack(loads)
+    aux["expert_load"] = jnp.concatenate(loads)
   if mtp_logits:
     aux["mtp_logits"] = jnp.stack(mtp_logits)
   return (logits_BTW, aux) if return_aux else logits_BTW
 
 
-def build(model_config: Any) -> hk.Transformed:
+def build(model_config: Any, *, remat: str = "none") -> hk.Transformed:
   """Builds the model.
 
   Args:
     model_config: the `model` section: a ConfigDict or dict (see
       `configs/ling3_tiny.py`) or a `kda_lm.config.ModelConfig`.
+    remat: the training step's rematerialisation policy per layer
+      (`config.train.remat`, `kda_lm.stack.REMAT_POLICIES`).
 
   Returns:
     An `hk.Transformed` without apply rng: `init(rng, tokens,
@@ -371,11 +375,13 @@ def build(model_config: Any) -> hk.Transformed:
     ValueError: an invalid config (see `kda_lm.config.ModelConfig`).
   """
   cfg = config_lib.ModelConfig.from_config(model_config)
+  stack.check_remat(remat)
 
   def fn(tokens, segment_ids=None, positions=None, return_aux=False,
          cache=None, max_len=None):
     return forward(cfg, tokens, segment_ids, positions,
-                   return_aux=return_aux, cache=cache, max_len=max_len)
+                   return_aux=return_aux, cache=cache, max_len=max_len,
+                   remat=remat)
 
   return hk.without_apply_rng(hk.transform(fn))
 
@@ -424,13 +430,36 @@ def param_count(model_config: Any) -> int:
 
 
 def router_bias_modules(model_config: Any) -> list[str]:
-  """Module paths of the MoE layers, in the order of `aux["expert_load"]`."""
+  """Module paths of the MoE layers in the unscanned layout, in the order
+  of `aux["expert_load"]` (the layer order, MTP blocks last)."""
   cfg = config_lib.ModelConfig.from_config(model_config)
-  paths = [f"layer_{i}/moe" for i in range(len(cfg.attention_pattern))
+  paths = [f"{stack.layer_name(i)}/moe" for i in range(cfg.num_layers)
            if cfg.is_moe_layer(i)]
   if cfg.num_experts:
     paths += [f"mtp_{k}/block/moe" for k in range(cfg.num_mtp_layers)]
   return paths
+
+
+def router_bias_slots(model_config: Any) -> list[moe.BiasSlot]:
+  """Where each MoE layer's selection bias lives in the config's layout:
+  one `moe.BiasSlot` per MoE module, naming its rows of
+  `aux["expert_load"]` (a scanned slot's bias is [N,E], one row a repeat).
+  """
+  cfg = config_lib.ModelConfig.from_config(model_config)
+  plan = stack.layer_plan(cfg)
+  row = {i: n for n, i in enumerate(
+      i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))}
+  slots = [moe.BiasSlot(f"{stack.layer_name(i)}/moe", (row[i],), False)
+           for i in plan.head + plan.tail if i in row]
+  for j in range(plan.period):
+    if plan.layer(0, j) in row:
+      slots.append(moe.BiasSlot(
+          f"{stack.SCAN_NAME}/{stack.slot_name(j)}/moe",
+          tuple(row[plan.layer(r, j)] for r in range(plan.repeats)), True))
+  if cfg.num_experts:
+    slots += [moe.BiasSlot(f"mtp_{k}/block/moe", (len(row) + k,), False)
+              for k in range(cfg.num_mtp_layers)]
+  return slots
 
 
 def abstract_params(model_config: Any, seq_len: int = 8) -> hk.Params:

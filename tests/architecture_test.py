@@ -10,7 +10,7 @@ RANKS = {
     "kda_lm.ops": 1,
     "kda_lm.parallel": 2,
     "kda_lm.layers": 3,
-    "kda_lm.config": 4,
+    "kda_lm.config": 4, "kda_lm.stack": 4.5,
     "kda_lm.model": 5, "kda_lm.losses": 5, "kda_lm.optimizer": 5,
     "data": 6,
     "kda_lm.checkpoint": 7,

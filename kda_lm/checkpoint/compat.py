@@ -10,6 +10,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from kda_lm import stack
+
 
 class IncompatibleCheckpointError(ValueError):
   """A checkpoint does not match the model being trained."""
@@ -49,6 +51,14 @@ def check_compatible(saved_params: Any, target_params: Any, *,
   target = _leaf_shapes(target_params)
   hint = (" The checkpoint comes from a different model config: use another "
           "--workdir, or delete the checkpoints to start afresh.")
+  scanned = [any(name.split("/", 2)[1:2] == [stack.SCAN_NAME]
+                 or name.startswith(stack.SCAN_NAME + "/") for name in tree)
+             for tree in (saved, target)]
+  if scanned[0] != scanned[1]:
+    hint = (f" The checkpoint's layers are "
+            f"{'' if scanned[0] else 'not '}scanned: resume with "
+            f"--config.model.scan_layers={scanned[0]}, or convert its "
+            "parameters with kda_lm.stack.to_layout.")
   for name in sorted(target):
     if name not in saved:
       raise IncompatibleCheckpointError(

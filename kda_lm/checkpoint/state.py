@@ -7,7 +7,7 @@ config and newest parameters, for generation and evaluation).
 """
 
 import os
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import haiku as hk
 import jax
@@ -18,7 +18,7 @@ import optax
 from data import pipeline
 from kda_lm import config as config_lib
 from kda_lm import model as model_lib
-from kda_lm import optimizer
+from kda_lm import optimizer, stack
 from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import workdir as workdir_lib
 from kda_lm.parallel import sharding
@@ -102,8 +102,14 @@ def abstract_state(cfg: RunConfig, mesh: jax.sharding.Mesh) -> TrainState:
   tx, _ = optimizer.make_optimizer(cfg.opt, cfg.train.num_steps)
   init = make_init_fn(model, tx, cfg.data.seq_len)
   abstract = jax.eval_shape(init, jax.random.PRNGKey(cfg.train.seed))
-  return sharding.with_shardings(
-      abstract, sharding.state_shardings(abstract, mesh))
+  return sharding.with_shardings(abstract, state_shardings(abstract, mesh))
+
+
+def state_shardings(abstract: Any, mesh: jax.sharding.Mesh) -> Any:
+  """The training shardings of a state or parameter tree (a scanned
+  group's repeat axis unsharded)."""
+  return sharding.state_shardings(abstract, mesh,
+                                  stacked_prefix=stack.SCAN_NAME + "/")
 
 
 class Run(NamedTuple):

@@ -33,11 +33,12 @@ experts and lowering over-loaded ones.
 """
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kda_lm.layers import mlp
 from kda_lm.ops import gmm
@@ -115,8 +116,21 @@ def update_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
           ).astype(bias.dtype)
 
 
+class BiasSlot(NamedTuple):
+  """One MoE module's selection bias and its rows of the expert load.
+
+  Attributes:
+    module: the module path, e.g. "layer_1/moe".
+    rows: its rows of `aux["expert_load"]` [MoE layers, E].
+    stacked: the bias is [len(rows), E] (a scanned layer group), else [E].
+  """
+  module: str
+  rows: tuple[int, ...]
+  stacked: bool
+
+
 def update_selection_biases(params: hk.Params, old_params: hk.Params,
-                            expert_load: jax.Array, modules: list[str],
+                            expert_load: jax.Array, slots: list[BiasSlot],
                             rate: float) -> hk.Params:
   """The training step's selection-bias update, after the optimizer's.
 
@@ -127,20 +141,21 @@ def update_selection_biases(params: hk.Params, old_params: hk.Params,
   Args:
     params: the parameters after the optimizer update (not modified).
     old_params: the parameters before it.
-    expert_load: [len(modules), E] tokens per expert (`aux["expert_load"]`).
-    modules: the MoE modules in the order of `expert_load`
-      (`kda_lm.model.router_bias_modules`).
+    expert_load: [MoE layers, E] tokens per expert (`aux["expert_load"]`).
+    slots: where the biases live (`kda_lm.model.router_bias_slots`).
     rate: `config.model.router_bias_update_rate`.
 
   Returns:
     `params` with every `<module>/e_score_correction_bias` replaced.
   """
   new = dict(params)
-  for row, module in enumerate(modules):
-    entry = dict(new[module])
-    entry[BIAS_NAME] = update_bias(old_params[module][BIAS_NAME],
-                                   expert_load[row], rate)
-    new[module] = entry
+  for slot in slots:
+    load = (expert_load[np.asarray(slot.rows)] if slot.stacked
+            else expert_load[slot.rows[0]])
+    entry = dict(new[slot.module])
+    entry[BIAS_NAME] = update_bias(old_params[slot.module][BIAS_NAME], load,
+                                   rate)
+    new[slot.module] = entry
   return type(params)(new) if isinstance(params, dict) else new
 
 

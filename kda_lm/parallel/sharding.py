@@ -56,11 +56,15 @@ def make_mesh(mesh_config: Any, devices: list[Any] | None = None
                        axis_types=(auto,) * 3, devices=devices)
 
 
-def leaf_spec(shape: tuple[int, ...], fsdp: int) -> P:
-  """Shards the largest dimension that `fsdp` divides; else replicates."""
+def leaf_spec(shape: tuple[int, ...], fsdp: int, skip: int = 0) -> P:
+  """Shards the largest dimension that `fsdp` divides; else replicates.
+
+  The first `skip` dimensions (a scanned layer group's leading repeat
+  axis) are never sharded.
+  """
   if fsdp == 1 or not shape:
     return P()
-  dims = sorted(range(len(shape)), key=lambda d: -shape[d])
+  dims = sorted(range(skip, len(shape)), key=lambda d: -shape[d])
   for d in dims:
     if shape[d] % fsdp == 0 and shape[d] >= fsdp:
       spec = [None] * len(shape)
@@ -69,14 +73,29 @@ def leaf_spec(shape: tuple[int, ...], fsdp: int) -> P:
   return P()
 
 
-def state_shardings(abstract_state: PyTree, mesh: jax.sharding.Mesh
-                    ) -> PyTree:
+def _stacked(path: tuple[Any, ...], prefix: str | None) -> bool:
+  return prefix is not None and any(
+      isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str)
+      and k.key.startswith(prefix) for k in path)
+
+
+def state_shardings(abstract_state: PyTree, mesh: jax.sharding.Mesh,
+                    stacked_prefix: str | None = None) -> PyTree:
   """NamedShardings for a state: FSDP over `fsdp`, replicated over `data`
-  and `context`."""
+  and `context`.
+
+  Args:
+    abstract_state: the state's arrays or `ShapeDtypeStruct`s.
+    mesh: the mesh.
+    stacked_prefix: module paths starting with it hold arrays stacked on a
+      leading layer axis (`kda_lm.stack.SCAN_NAME + "/"`), which is never
+      sharded: the scan slices it.
+  """
   fsdp = mesh.shape[FSDP_AXIS]
-  return jax.tree.map(
-      lambda a: jax.sharding.NamedSharding(
-          mesh, leaf_spec(tuple(a.shape), fsdp)),
+  return jax.tree_util.tree_map_with_path(
+      lambda path, a: jax.sharding.NamedSharding(
+          mesh, leaf_spec(tuple(a.shape), fsdp,
+                          int(_stacked(path, stacked_prefix)))),
       abstract_state)
 
 
@@ -102,19 +121,23 @@ def row_devices(mesh: Any) -> int:
   return int(mesh.shape[DATA_AXIS] * mesh.shape[FSDP_AXIS])
 
 
-def check_batch_shape(mesh: Any, batch_size: int, seq_len: int) -> None:
+def check_batch_shape(mesh: Any, batch_size: int, seq_len: int,
+                      micro_batches: int = 1) -> None:
   """Checks, before anything is traced, that batches of `batch_size` rows
-  of `seq_len` tokens can be sharded over `mesh`.
+  of `seq_len` tokens can be sharded over `mesh`, in `micro_batches`
+  slices (`config.train.grad_accum_steps`).
 
   Raises:
-    ValueError: the rows do not divide over `data` x `fsdp`, or the tokens
-      over `context`.
+    ValueError: the rows (of each micro-batch) do not divide over `data` x
+      `fsdp`, or the tokens over `context`.
   """
   rows = row_devices(mesh)
-  if batch_size % rows:
+  if batch_size % (rows * micro_batches):
+    what = (f"{rows} data x fsdp devices (config.mesh)" if micro_batches == 1
+            else f"{rows} data x fsdp devices (config.mesh) times the "
+            f"{micro_batches} micro-batches (config.train.grad_accum_steps)")
     raise ValueError(f"config.data.batch_size {batch_size} is not a "
-                     f"multiple of the {rows} data x fsdp devices "
-                     f"(config.mesh).")
+                     f"multiple of the {what}.")
   context = int(mesh.shape[CONTEXT_AXIS])
   if seq_len % context:
     raise ValueError(f"config.data.seq_len {seq_len} is not a multiple of "

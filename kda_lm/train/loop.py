@@ -100,12 +100,12 @@ class Steps(NamedTuple):
 
 def build_steps(cfg: state_lib.RunConfig, mesh: jax.sharding.Mesh) -> Steps:
   """The model, optimizer, state shardings and the jitted steps."""
-  model = model_lib.build(cfg.model)
+  model = model_lib.build(cfg.model, remat=cfg.train.remat)
   tx, schedule = optimizer.make_optimizer(cfg.opt, cfg.train.num_steps)
   init = state_lib.make_init_fn(model, tx, cfg.data.seq_len)
   rng = jax.random.PRNGKey(cfg.train.seed)
   abstract = jax.eval_shape(init, rng)
-  shardings = sharding.state_shardings(abstract, mesh)
+  shardings = state_lib.state_shardings(abstract, mesh)
   num_params = sum(int(np.prod(a.shape))
                    for a in jax.tree.leaves(abstract.params))
   logging.info("Model: %s parameters; mesh %s.", f"{num_params:,}",
@@ -119,7 +119,8 @@ def build_steps(cfg: state_lib.RunConfig, mesh: jax.sharding.Mesh) -> Steps:
   return Steps(
       init=jax.jit(init, out_shardings=shardings),
       update=on_mesh(jax.jit(
-          step_lib.make_update_fn(model, tx, schedule, cfg.model),
+          step_lib.make_update_fn(model, tx, schedule, cfg.model,
+                                  cfg.train.grad_accum_steps),
           in_shardings=(shardings, batch_sharding),
           out_shardings=(shardings, replicated), donate_argnums=0)),
       eval_step=on_mesh(jax.jit(
@@ -199,7 +200,8 @@ class _Run:
                  jax.device_count(), jax.devices()[0].platform,
                  jax.process_count())
     mesh = sharding.make_mesh(cfg.mesh)
-    sharding.check_batch_shape(mesh, cfg.data.batch_size, cfg.data.seq_len)
+    sharding.check_batch_shape(mesh, cfg.data.batch_size, cfg.data.seq_len,
+                               cfg.train.grad_accum_steps)
     self.steps = build_steps(cfg, mesh)
     # Process 0 builds the TFDS data; the others then read it.
     with distributed.main_process_first("kda_lm: data built"):

@@ -44,21 +44,33 @@ def check_batch(batch: Mapping[str, np.ndarray], vocab_size: int,
                            f"{where[:1].upper()}{where[1:]}: {key}")
 
 
+def _denominators(batch: Batch, cfg: config_lib.ModelConfig | None
+                  ) -> dict[str, jax.Array]:
+  """The whole batch's loss denominators (scored targets, at least 1)."""
+  out = {"weight": jnp.maximum(
+      batch["loss_mask"].astype(jnp.float32).sum(), 1.0)}
+  if cfg is not None and cfg.num_mtp_layers:
+    out["mtp_weight"] = losses.mtp_weights(batch, cfg.num_mtp_layers)
+  return out
+
+
 def _loss_fn(model: hk.Transformed, cfg: config_lib.ModelConfig | None):
-  """`loss(params, batch) -> (loss, extra)` for `jax.value_and_grad`."""
+  """`loss(params, batch, denominators) -> (loss, extra)` for
+  `jax.value_and_grad`: sums over `batch` divided by the whole batch's
+  `denominators`, so that micro-batches' losses add up to the batch's."""
   with_aux = cfg is not None and cfg.has_aux_outputs
 
-  def loss_fn(params, batch):
+  def loss_fn(params, batch, denominators):
     if with_aux:
       logits, aux = losses.apply_batch(model, params, batch, return_aux=True)
     else:
       logits, aux = losses.apply_batch(model, params, batch), {}
-    loss_sum, correct, weight = losses.loss_terms(logits, batch)
-    denom = jnp.maximum(weight, 1.0)
-    loss = loss_sum / denom
-    extra = {"accuracy": correct / denom, "main_loss": loss}
+    loss_sum, correct, _ = losses.loss_terms(logits, batch)
+    loss = loss_sum / denominators["weight"]
+    extra = {"accuracy": correct / denominators["weight"], "main_loss": loss}
     if "mtp_logits" in aux:
-      extra["mtp_loss"] = losses.mtp_loss(aux["mtp_logits"], batch)
+      extra["mtp_loss"] = losses.mtp_loss(aux["mtp_logits"], batch,
+                                          denominators["mtp_weight"])
       loss = loss + cfg.mtp_loss_scale * extra["mtp_loss"]
     if "expert_load" in aux:
       extra["expert_load"] = jax.lax.stop_gradient(aux["expert_load"])
@@ -67,8 +79,43 @@ def _loss_fn(model: hk.Transformed, cfg: config_lib.ModelConfig | None):
   return loss_fn
 
 
+def micro_batches(batch: Batch, n: int) -> Batch:
+  """`[B,...]` -> `[n, B/n, ...]`; micro-batch i holds rows i, i+n, ...
+
+  Strided, so that each device's rows (a contiguous block of the batch
+  sharding) split evenly over the micro-batches and no row moves.
+  """
+  return jax.tree.map(
+      lambda x: x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1),
+      batch)
+
+
+def _grads_and_extra(loss_fn, params, batch: Batch, n: int, denominators):
+  """Gradients and statistics of the whole batch, in `n` micro-batches
+  (summed: each micro-batch's loss is already divided by the batch's
+  denominators)."""
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  if n == 1:
+    (_, extra), grads = grad_fn(params, batch, denominators)
+    return grads, extra
+  micro = micro_batches(batch, n)
+
+  def body(total, mb):
+    (_, extra), grads = grad_fn(params, mb, denominators)
+    return jax.tree.map(jnp.add, total, (grads, extra)), None
+
+  first = jax.tree.map(lambda x: x[0], micro)
+  shapes = jax.eval_shape(lambda p, b: grad_fn(p, b, denominators)[::-1],
+                          params, first)
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                       (shapes[0], shapes[1][1]))
+  (grads, extra), _ = jax.lax.scan(body, zeros, micro)
+  return grads, extra
+
+
 def make_update_fn(model: hk.Transformed, tx: optax.GradientTransformation,
-                   schedule: optax.Schedule, model_config: Any = None
+                   schedule: optax.Schedule, model_config: Any = None,
+                   grad_accum_steps: int = 1
                    ) -> Callable[[TrainState, Batch],
                                  tuple[TrainState, dict[str, jax.Array]]]:
   """Returns `update(state, batch) -> (state, metrics)` (not jitted).
@@ -77,22 +124,25 @@ def make_update_fn(model: hk.Transformed, tx: optax.GradientTransformation,
   the MTP loss (logged as `mtp_loss`; `loss` stays the main loss), and after
   the optimizer step every MoE selection bias is set by
   `moe.update_selection_biases`; metrics add the load balance
-  (`moe.load_metrics`).
+  (`moe.load_metrics`). With `grad_accum_steps` n > 1 the batch runs as n
+  micro-batches (`micro_batches`); the loss, gradients, metrics and expert
+  loads are the whole batch's (token-weighted sums, not means of means).
   """
   cfg = (None if model_config is None
          else config_lib.ModelConfig.from_config(model_config))
-  bias_modules = (model_lib.router_bias_modules(cfg)
-                  if cfg is not None and cfg.num_experts else [])
+  bias_slots = (model_lib.router_bias_slots(cfg)
+                if cfg is not None and cfg.num_experts else [])
   loss_fn = _loss_fn(model, cfg)
 
   def update(state: TrainState, batch: Batch):
-    (_, extra), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params, batch)
+    grads, extra = _grads_and_extra(loss_fn, state.params, batch,
+                                    grad_accum_steps,
+                                    _denominators(batch, cfg))
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    if bias_modules:
+    if bias_slots:
       params = moe.update_selection_biases(
-          params, state.params, extra["expert_load"], bias_modules,
+          params, state.params, extra["expert_load"], bias_slots,
           float(cfg.router_bias_update_rate))
     rng, _ = jax.random.split(state.rng)
     metrics = {

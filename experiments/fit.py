@@ -1,0 +1,229 @@
+r"""Fit report: does one training step of a named model fit a named slice?
+
+Compiles, deviceless on a CPU host, one full training step (forward,
+gradient, AdamW, the MoE selection-bias update) of a published model for a
+target slice, mesh, sequence length, batch, rematerialisation policy and
+gradient accumulation, and prints per device: arguments (parameters,
+optimizer state, batch), temporaries and their total against the chip's
+HBM; compiled vs analytic FLOPs; the roofline step time (compiled FLOPs /
+chip peak, or analytic where the compiler reports none) and the tokens/s
+per chip it implies; and the compile seconds on this host. Run in the
+compile check's environment (libtpu, the CUDA plugin):
+
+  py="$(bash experiments/compile_check_env.sh)"
+  "$py" -m experiments.fit --model=ling3:tiny --target=v5p-8 \
+      --mesh=fsdp=4 --seq_len=4096 --batch=4 --remat=save_dots
+  "$py" -m experiments.fit --model=ling3:tiny --target=v5p-8 \
+      --mesh=fsdp=4 --seq_len=4096 --batch=4 --search   # smallest remat
+                                                        # that fits
+`--batch` is the global batch of one optimizer step; `--grad_accum` splits
+it into micro-batches. `--search` tries the remat policies from `none` to
+`full` and reports the first that fits (total <= HBM). `--layers` cuts the
+stack to its first n layers (the pattern's last layer made MLA), for the
+compile-time-in-depth comparison; `--noscan` compiles every layer.
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import dataclasses  # noqa: E402
+import importlib  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+from absl import app, flags  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from configs import ling3  # noqa: E402
+from experiments import compile_mesh  # noqa: E402
+import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
+from kda_lm import config as config_lib  # noqa: E402
+from kda_lm import model as model_lib  # noqa: E402
+from kda_lm import optimizer  # noqa: E402
+from kda_lm.checkpoint import state as state_lib  # noqa: E402
+from kda_lm.parallel import sharding  # noqa: E402
+from kda_lm.train import step as step_lib  # noqa: E402
+
+_MODEL = flags.DEFINE_string("model", "ling3:tiny",
+                             "configs module:arg, e.g. ling3:flash.")
+_TARGET = flags.DEFINE_string("target", "v5p-8", "A key of CHIPS' slices.")
+_MESH = flags.DEFINE_string("mesh", "fsdp=4", "Axis sizes, e.g. "
+                            "data=2+fsdp=2 (missing axes 1).")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "T, tokens per row.")
+_BATCH = flags.DEFINE_integer("batch", 4, "Global rows per optimizer step.")
+_REMAT = flags.DEFINE_enum("remat", "none", config_lib.REMAT_POLICIES,
+                           "config.train.remat.")
+_ACCUM = flags.DEFINE_integer("grad_accum", 1, "config.train.grad_accum_steps.")
+_SEARCH = flags.DEFINE_bool("search", False, "Try the remat policies in "
+                            "order and stop at the first that fits.")
+_LAYERS = flags.DEFINE_integer("layers", 0, "Cut to n layers (0 = all).")
+_SCAN = flags.DEFINE_bool("scan", True, "config.model.scan_layers.")
+
+GIB = 2.0 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """A chip's HBM (GiB) and dense bf16 peak (TFLOP/s), from the vendors'
+  data sheets, and the compile target of a slice of them."""
+  name: str
+  hbm_gib: float
+  peak_tflops: float
+  platform: str          # "tpu" or "gpu"
+  topology: str          # libtpu topology, or "1x1x<n>" GPUs on one host
+
+
+# Slices: TPU names count TensorCores (v5p-8 = 4 chips); GPU hosts chips.
+# H200 compiles as the H100 target (the same sm_90a), with H200's HBM.
+CHIPS = {
+    "v5p-8": Chip("TPU v5p", 95.0, 459.0, "tpu", "v5p:2x2x1"),
+    "v5p-32": Chip("TPU v5p", 95.0, 459.0, "tpu", "v5p:2x2x4"),
+    "v6e-8": Chip("TPU v6e", 32.0, 918.0, "tpu", "v6e:2x4"),
+    "h100x8": Chip("H100 SXM", 80e9 / GIB, 989.0, "gpu", "1x1x8"),
+    "h200x8": Chip("H200 SXM", 141e9 / GIB, 989.0, "gpu", "1x1x8"),
+}
+
+
+def target_devices(chip: Chip) -> list:
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  if chip.platform == "tpu":
+    return topologies.get_topology_desc(topology_name=chip.topology,
+                                        platform="tpu").devices
+  with open(compile_mesh.H100_SPEC) as f:
+    return topologies.get_topology_desc(
+        platform="cuda", target_config=f.read(),
+        topology=chip.topology).devices
+
+
+def model_config(name: str, layers: int, scan: bool):
+  """`configs/<module>.py`'s `model_config(arg)`, cut to `layers`."""
+  module, _, arg = name.partition(":")
+  m = importlib.import_module(f"configs.{module}").model_config(arg or None)
+  if layers:
+    m.attention_pattern = m.attention_pattern[:layers - 1] + "M"
+  m.scan_layers = scan
+  return m
+
+
+@dataclasses.dataclass
+class Fit:
+  """One compiled step's report."""
+  args_gib: float = 0.0
+  temp_gib: float = 0.0
+  compiled_tflop: float = 0.0
+  analytic_tflop: float = 0.0
+  seconds: float = 0.0
+  error: str = ""
+
+  @property
+  def total_gib(self) -> float:
+    return self.args_gib + self.temp_gib
+
+
+def compile_step(m, mesh_config, devices, chip: Chip, B: int, T: int,
+                 remat: str, accum: int):
+  """The compiled training step: (compiled, seconds)."""
+  mesh = sharding.make_mesh(mesh_config, devices)
+  sharding.check_batch_shape(mesh, B, T, accum)
+  model = model_lib.build(m, remat=remat)
+  tx, schedule = optimizer.make_optimizer(ling3.get_config().opt, 100)
+  init = state_lib.make_init_fn(model, tx, T)
+  with compile_mesh.backend(chip.platform):
+    abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
+  shardings = state_lib.state_shardings(abstract, mesh)
+  state = sharding.with_shardings(abstract, shardings)
+  rows = sharding.batch_sharding(mesh)
+  tok = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=rows)
+  batch = dict(inputs=tok, targets=tok, segment_ids=tok, positions=tok,
+               loss_mask=jax.ShapeDtypeStruct((B, T), jnp.float32,
+                                              sharding=rows))
+  update = jax.jit(step_lib.make_update_fn(model, tx, schedule, m, accum),
+                   out_shardings=(shardings, sharding.replicated(mesh)),
+                   donate_argnums=0)
+  start = time.time()
+  with compile_mesh.backend(chip.platform), jax.set_mesh(mesh):
+    lowered = update.trace(state, batch).lower(
+        lowering_platforms=("cuda" if chip.platform == "gpu" else "tpu",))
+  compiled = lowered.compile()
+  return compiled, time.time() - start
+
+
+def fit(m, mesh_text: str, chip: Chip, B: int, T: int, remat: str,
+        accum: int) -> Fit:
+  """Compiles one step and reads its memory and FLOPs."""
+  mesh_config = compile_mesh.parse_mesh(mesh_text)
+  count = mesh_config.data * mesh_config.fsdp * mesh_config.context
+  out = Fit(analytic_tflop=compile_mesh.analytic_flops(m, B, T) / count
+            / 1e12)
+  try:
+    compiled, out.seconds = compile_step(
+        m, mesh_config, list(target_devices(chip))[:count], chip, B, T,
+        remat, accum)
+  except Exception as e:  # pylint: disable=broad-except
+    traceback.print_exc()
+    out.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    return out
+  memory = compiled.memory_analysis()
+  out.args_gib = memory.argument_size_in_bytes / GIB
+  out.temp_gib = memory.temp_size_in_bytes / GIB
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+  out.compiled_tflop = float(cost.get("flops", 0.0)) / 1e12
+  return out
+
+
+HEADER = ("| model | target | mesh | T | B | accum | remat | args GiB | "
+          "temp GiB | total GiB / HBM | compiled TFLOP | analytic TFLOP | "
+          "ratio | roofline s | tok/s/chip | compile s | fits |")
+
+
+def row(name, target, mesh, T, B, accum, remat, chip, f: Fit) -> str:
+  if f.error:
+    return (f"| {name} | {target} | {mesh} | {T} | {B} | {accum} | {remat} "
+            f"| - | - | - | - | {f.analytic_tflop:.1f} | - | - | - | - | "
+            f"error: {f.error} |")
+  flop = f.compiled_tflop or f.analytic_tflop
+  step_s = flop / chip.peak_tflops
+  devices = 1
+  for item in mesh.split("+"):
+    devices *= int(item.split("=")[1])
+  tokens = B * T / devices
+  ratio = (f"{f.compiled_tflop / f.analytic_tflop:.2f}"
+           if f.compiled_tflop else "-")
+  fits = "yes" if f.total_gib <= chip.hbm_gib else "no"
+  return (f"| {name} | {target} | {mesh} | {T} | {B} | {accum} | {remat} | "
+          f"{f.args_gib:.2f} | {f.temp_gib:.2f} | {f.total_gib:.1f} / "
+          f"{chip.hbm_gib:.0f} | "
+          f"{f.compiled_tflop:.1f} | {f.analytic_tflop:.1f} | {ratio} | "
+          f"{step_s:.2f} | {tokens / step_s:,.0f} | {f.seconds:.0f} | "
+          f"{fits} |")
+
+
+def main(argv):
+  del argv
+  chip = CHIPS[_TARGET.value]
+  m = model_config(_MODEL.value, _LAYERS.value, _SCAN.value)
+  print(f"jax {jax.__version__}; {_MODEL.value}: "
+        f"{len(m.attention_pattern)} layers, scan_layers={_SCAN.value}, "
+        f"{m.compute_dtype} activations; {_TARGET.value} ({chip.name}, "
+        f"{chip.hbm_gib:.0f} GiB, {chip.peak_tflops:.0f} TFLOP/s bf16)",
+        flush=True)
+  print(HEADER)
+  print("|" + "---|" * 17, flush=True)
+  policies = (config_lib.REMAT_POLICIES if _SEARCH.value
+              else (_REMAT.value,))
+  for remat in policies:
+    f = fit(m, _MESH.value, chip, _BATCH.value, _SEQ_LEN.value, remat,
+            _ACCUM.value)
+    print(row(_MODEL.value, _TARGET.value, _MESH.value, _SEQ_LEN.value,
+              _BATCH.value, _ACCUM.value, remat, chip, f), flush=True)
+    if not f.error and f.total_gib <= chip.hbm_gib:
+      return 0
+  return 1
+
+
+if __name__ == "__main__":
+  app.run(lambda argv: sys.exit(main(argv)))

@@ -1,0 +1,94 @@
+"""The decoder block: the pre-norm residual layer the model stacks.
+
+  x = x + mixer(RMSNorm(x))        mixer: KDA (`kda.py`) or MLA (`mla.py`)
+  x = x + FFN(RMSNorm(x))          FFN: dense SwiGLU or the MoE (`moe.py`)
+
+The mixer's and the FFN's outputs carry the `checkpoint_name`s MIXER_OUT
+and FFN_OUT, which the `save_outputs` rematerialisation policy keeps
+(`kda_lm/stack.py`).
+"""
+
+from typing import Any, Optional
+
+import haiku as hk
+import jax
+from jax import ad_checkpoint
+import jax.numpy as jnp
+
+from kda_lm.layers import kda, mla, mlp, moe, norm
+
+MIXER_OUT = "mixer_out"
+FFN_OUT = "ffn_out"
+
+
+class DecoderBlock(hk.Module):
+  """Pre-norm block: `x + mixer(norm(x))`, then `x + FFN(norm(x))`.
+
+  FFN is a dense SwiGLU, or with `use_moe` the MoE of
+  `kda_lm/layers/moe.py`.
+  """
+
+  def __init__(self, kind: str, cfg: Any,
+               use_moe: bool = False, name: Optional[str] = None):
+    """Initialises the module.
+
+    Args:
+      kind: "K" (KDA) or "M" (MLA).
+      cfg: the model config (`kda_lm.config.ModelConfig`).
+      use_moe: a MoE feed-forward instead of the dense SwiGLU.
+      name: module name.
+    """
+    super().__init__(name=name)
+    self.kind = kind
+    self.cfg = cfg
+    self.use_moe = use_moe
+
+  def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array],
+               positions: Optional[jax.Array], *, cache: Any = None,
+               max_len: Optional[int] = None) -> tuple[Any, ...]:
+    """Maps `x [B,T,D]` to (`[B,T,D]`, expert load [E] or None).
+
+    With a decode `cache` (the mixer's `KDACache` or `MLACache`) or a
+    prefill's `max_len` (see `kda_lm.infer.decoding`), returns `(x, load,
+    mixer cache)`.
+    """
+    cfg = self.cfg
+    pdt = jnp.dtype(cfg.param_dtype)
+    eps = cfg.norm_eps
+    with_cache = cache is not None or max_len is not None
+    h = norm.RMSNorm(eps, pdt, name="attn_norm")(x)
+    if self.kind == "K":
+      h = kda.KimiDeltaAttention(
+          cfg.num_heads, cfg.head_dim, head_v_dim=cfg.kda_head_v_dim,
+          gate=cfg.kda_gate, conv_size=cfg.conv_size,
+          conv_bias=cfg.conv_bias, norm_eps=eps, impl=cfg.kda_impl,
+          chunk_size=cfg.kda_chunk_size, param_dtype=pdt, name="kda")(
+              h, segment_ids, cache=cache, return_cache=with_cache)
+    else:
+      h = mla.MultiHeadLatentAttention(
+          cfg.mla_num_heads, q_lora_rank=cfg.q_lora_rank,
+          kv_lora_rank=cfg.kv_lora_rank,
+          qk_nope_head_dim=cfg.qk_nope_head_dim,
+          qk_rope_head_dim=cfg.qk_rope_head_dim,
+          v_head_dim=cfg.v_head_dim, rope_theta=cfg.rope_theta,
+          use_nope=cfg.use_nope, output_gate=cfg.mla_output_gate,
+          norm_eps=eps, param_dtype=pdt, name="mla")(
+              h, segment_ids, positions, cache=cache, max_len=max_len)
+    if with_cache:
+      h, cache = h
+    x = x + ad_checkpoint.checkpoint_name(h, MIXER_OUT)
+    h = norm.RMSNorm(eps, pdt, name="mlp_norm")(x)
+    load = None
+    if not self.use_moe:
+      h = mlp.SwiGLU(cfg.mlp_hidden_dim, param_dtype=pdt, name="mlp")(h)
+    else:
+      h, load = moe.MoE(
+          cfg.num_experts, cfg.num_experts_per_tok,
+          cfg.moe_intermediate_size,
+          num_shared_experts=cfg.num_shared_experts,
+          routed_scaling_factor=cfg.routed_scaling_factor,
+          n_group=cfg.n_group, topk_group=cfg.topk_group,
+          param_dtype=pdt, impl=cfg.moe_impl, name="moe")(
+              h, None if segment_ids is None else segment_ids != 0)
+    out = x + ad_checkpoint.checkpoint_name(h, FFN_OUT), load
+    return out + (cache,) if with_cache else out

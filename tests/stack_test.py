@@ -1,0 +1,183 @@
+"""Tests of kda_lm/stack.py: the scanned layer group, the parameter layouts
+and the rematerialisation policies."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import model_test
+import numpy as np
+import pytest
+
+from configs import ling3
+from kda_lm import config, model, stack, testing
+from kda_lm.checkpoint import compat
+from kda_lm.infer import decoding
+
+# Tiny shapes: compilation dominates (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+# Dense layers 0-1, then the group KM three times (layers 2-7); MTP block.
+UNSCANNED = model_test.tiny_config(
+    attention_pattern="KMKMKMKM", num_experts=4, num_experts_per_tok=2,
+    num_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=2,
+    num_mtp_layers=1, mtp_layer_kind="K")
+SCANNED = model_test.tiny_config(**dict(UNSCANNED, scan_layers=True))
+
+
+def _cfg(**overrides):
+  return config.ModelConfig.from_config(model_test.tiny_config(**overrides))
+
+
+def test_find_group_of_the_published_stacks():
+  tiny = config.ModelConfig.from_config(ling3.model_config("tiny"))
+  # Layer 0 is dense: the unrolled head is the first whole group.
+  assert stack.find_group(tiny) == stack.LayerPlan(
+      (0, 1, 2, 3), 4, 4, 5, ())
+  flash = config.ModelConfig.from_config(ling3.model_config("flash"))
+  assert stack.find_group(flash) == stack.LayerPlan(
+      tuple(range(6)), 6, 6, 6, ())
+  # Kimi Linear: MLA at layers 4, 8, ..., 24 and 27 (1-based), layer 0
+  # dense: 3 layers stay unrolled (the group KMKK from layer 2 beats KKMK
+  # from layer 1 by ending nearer the end).
+  kimi = _cfg(attention_pattern="KKKM" * 6 + "KKM", first_k_dense_replace=1)
+  assert stack.find_group(kimi) == stack.LayerPlan((0, 1), 2, 4, 6, (26,))
+
+
+def test_find_group_without_a_repeat_unrolls_everything():
+  plan = stack.find_group(_cfg(attention_pattern="KMK", num_experts=0))
+  assert plan == stack.LayerPlan((0, 1, 2), 3, 0, 0, ())
+  # A group may be one layer long.
+  plan = stack.find_group(_cfg(attention_pattern="KKKM"))
+  assert plan == stack.LayerPlan((0,), 1, 1, 2, (3,))
+  # scan_layers off: the same stack unrolled.
+  cfg = _cfg(attention_pattern="KMKM", num_experts=0)
+  assert stack.find_group(cfg) == stack.LayerPlan((), 0, 2, 2, ())
+  assert stack.layer_plan(cfg) == stack.LayerPlan((0, 1, 2, 3), 4, 0, 0, ())
+
+
+def _batch(seed, B=2, T=24):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, model_test.VOCAB, (B, T)).astype(np.int32)
+  seg = np.stack([testing.random_segment_row(rng, T) for _ in range(B)])
+  return jnp.asarray(tokens), jnp.asarray(seg)
+
+
+@functools.lru_cache(maxsize=None)
+def _params():
+  tokens, seg = _batch(0)
+  return model.build(UNSCANNED).init(jax.random.key(1), tokens, seg)
+
+
+def test_layouts_round_trip_bit_exactly():
+  params = _params()
+  scanned = stack.to_scanned(params, UNSCANNED)
+  tokens, seg = _batch(0)
+  want = jax.eval_shape(model.build(SCANNED).init, jax.random.key(1),
+                        tokens, seg)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), scanned) == (
+      jax.tree.map(lambda a: (a.shape, a.dtype), want))
+  assert scanned["scanned/slot_0/kda/q_proj"]["w"].shape[0] == 3
+  back = stack.to_unscanned(scanned, SCANNED)
+  jax.tree.map(np.testing.assert_array_equal, back, params)
+  assert stack.to_layout(params, SCANNED).keys() == scanned.keys()
+  assert stack.to_layout(scanned, UNSCANNED).keys() == params.keys()
+  with pytest.raises(ValueError, match="missing"):
+    stack.to_scanned({k: v for k, v in params.items()
+                      if not k.startswith("layer_5/")}, SCANNED)
+
+
+def _loss(m, params, tokens, seg):
+  logits, aux = m.apply(params, tokens, seg, return_aux=True)
+  return (logits ** 2).mean() + (aux["mtp_logits"] ** 2).mean(), aux
+
+
+def test_scanned_equals_unscanned_logits_loads_and_gradients():
+  params, (tokens, seg) = _params(), _batch(2)
+  grad = lambda m, p: jax.jit(jax.grad(
+      functools.partial(_loss, m), has_aux=True))(p, tokens, seg)
+  g_u, aux_u = grad(model.build(UNSCANNED), params)
+  g_s, aux_s = grad(model.build(SCANNED), stack.to_scanned(params, SCANNED))
+  np.testing.assert_array_equal(aux_s["expert_load"], aux_u["expert_load"])
+  assert aux_u["expert_load"].shape == (7, 4)  # layers 2-7, then MTP
+  assert testing.rel_err(aux_s["mtp_logits"], aux_u["mtp_logits"]) < 1e-6
+  g_s = stack.to_unscanned(g_s, SCANNED)
+  for module in g_u:
+    for name in g_u[module]:
+      err = testing.rel_err(g_s[module][name], g_u[module][name])
+      assert err < 1e-6, (module, name, err)
+
+
+def test_scanned_generation_equals_unscanned_token_for_token():
+  params = _params()
+  prompts = [[3, 4, 5, 6, 7], [9, 8]]
+  out = {}
+  for name, cfg, p in (("u", UNSCANNED, params),
+                       ("s", SCANNED, stack.to_scanned(params, SCANNED))):
+    out[name] = decoding.generate(decoding.Decoder(cfg, 16), p, prompts,
+                                  max_new_tokens=8)
+  assert out["s"] == out["u"]
+
+
+def test_router_bias_slots_name_rows_of_the_expert_load():
+  slots = model.router_bias_slots(SCANNED)
+  assert [(s.module, s.rows, s.stacked) for s in slots] == [
+      ("scanned/slot_0/moe", (0, 2, 4), True),
+      ("scanned/slot_1/moe", (1, 3, 5), True),
+      ("mtp_0/block/moe", (6,), False)]
+  assert [s.module for s in model.router_bias_slots(UNSCANNED)] == (
+      model.router_bias_modules(UNSCANNED))
+
+
+# ---------------------------------------------------------------------------
+# Rematerialisation.
+
+
+def _remat_grad(remat, params, tokens, seg):
+  m = model.build(SCANNED, remat=remat)
+  return jax.jit(jax.grad(lambda p: _loss(m, p, tokens, seg)[0]))
+
+
+def test_remat_policies_keep_gradients():
+  # Not bit-identical: the recomputed forward fuses differently (float32
+  # rounding; measured up to 5e-6 relative on a leaf).
+  params = stack.to_scanned(_params(), SCANNED)
+  tokens, seg = _batch(3)
+  want = _remat_grad("none", params, tokens, seg)(params)
+  for remat in ("save_dots", "save_outputs", "full"):
+    got = _remat_grad(remat, params, tokens, seg)(params)
+    errs = jax.tree.map(testing.rel_err, got, want)
+    assert max(jax.tree.leaves(errs)) < 1e-5, remat
+
+
+def test_remat_policies_save_less_and_less():
+  params = stack.to_scanned(_params(), SCANNED)
+  tokens, seg = _batch(3, B=4, T=64)
+  temp = {}
+  for remat in config.REMAT_POLICIES:
+    compiled = _remat_grad(remat, params, tokens, seg).lower(
+        params).compile()
+    temp[remat] = compiled.memory_analysis().temp_size_in_bytes
+  sizes = [temp[r] for r in config.REMAT_POLICIES]
+  assert sizes == sorted(sizes, reverse=True), temp
+  assert temp["full"] < temp["none"], temp
+
+
+def test_bad_remat_names_the_options():
+  with pytest.raises(ValueError, match="remat must be one of"):
+    model.build(UNSCANNED, remat="some")
+  with pytest.raises(ValueError, match="config.train.remat"):
+    config.TrainConfig(remat="dots")
+  with pytest.raises(ValueError, match="grad_accum_steps"):
+    config.TrainConfig(grad_accum_steps=0)
+
+
+def test_checkpoint_of_the_other_layout_names_the_way_out():
+  params = _params()
+  abstract = lambda p: jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), p)
+  with pytest.raises(compat.IncompatibleCheckpointError,
+                     match="not scanned: resume with "
+                     r"--config.model.scan_layers=False.*to_layout"):
+    compat.check_compatible(abstract(params),
+                            abstract(stack.to_scanned(params, SCANNED)))

@@ -1,0 +1,125 @@
+"""Tests of gradient accumulation (train.step) and of training with scanned
+layers: equal to the plain step, and resumable bit-exactly."""
+
+import jax
+import jax.numpy as jnp
+import model_test
+import numpy as np
+import optax
+import pytest
+
+from kda_lm import model, segments, stack, testing
+from kda_lm.checkpoint import state as state_lib
+from kda_lm.train import loop as train_loop
+from kda_lm.train import metrics
+from kda_lm.train import step as step_lib
+
+# Tiny shapes: compilation dominates (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+# A dense layer, MoE layers with a scanned group (KM twice), an MTP block.
+MODEL = model_test.tiny_config(
+    attention_pattern="KMKMKM", num_experts=4, num_experts_per_tok=2,
+    num_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1,
+    num_mtp_layers=1, router_bias_update_rate=0.01)
+
+
+def _batch(seed, B=8, T=16):
+  """Packed rows with padding and unequal scored-token counts per row."""
+  rng = np.random.default_rng(seed)
+  seg = np.stack([testing.random_segment_row(rng, T) for _ in range(B)])
+  seg[B // 2:, T // 2:] = 0                  # half-empty rows
+  tokens = rng.integers(0, model_test.VOCAB, (B, T + 1)).astype(np.int32)
+  mask = (seg != 0).astype(np.float32)
+  mask[:, 0] = 0                             # unscored targets too
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+          "segment_ids": seg.astype(np.int32),
+          "positions": np.asarray(
+              segments.positions_from_segment_ids(jnp.asarray(seg))),
+          "loss_mask": mask}
+
+
+def _step(cfg, n, state, batch):
+  m = model.build(cfg)
+  tx = optax.sgd(0.5)
+  update = jax.jit(step_lib.make_update_fn(m, tx, lambda _: 0.5, cfg, n))
+  return update(state, batch)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_accumulated_step_equals_the_whole_batch(scan):
+  cfg = model_test.tiny_config(**dict(MODEL, scan_layers=scan))
+  init = state_lib.make_init_fn(model.build(cfg), optax.sgd(0.5), 16)
+  state = jax.jit(init)(jax.random.PRNGKey(0))
+  batch = jax.tree.map(jnp.asarray, _batch(1))
+  # The micro-batches (rows i, i+4 for i < 4) hold unequal token counts.
+  counts = step_lib.micro_batches(batch, 4)["loss_mask"].sum((1, 2))
+  assert len(set(np.asarray(counts).tolist())) > 1
+  whole, m1 = _step(cfg, 1, state, batch)
+  accum, m4 = _step(cfg, 4, state, batch)
+  assert set(m1) == set(m4) >= {"loss", "accuracy", "mtp_loss",
+                                "moe_load_max", "grad_norm"}
+  for key in m1:
+    np.testing.assert_allclose(m4[key], m1[key], rtol=1e-6, err_msg=key)
+  errs = jax.tree.map(testing.rel_err, accum.params, whole.params)
+  assert max(jax.tree.leaves(errs)) < 1e-6
+  # The selection biases moved, by the whole batch's load.
+  for slot in model.router_bias_slots(cfg):
+    bias = [s.params[slot.module]["e_score_correction_bias"]
+            for s in (accum, whole, state)]
+    np.testing.assert_array_equal(bias[0], bias[1])
+    assert np.any(bias[1] != bias[2])
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("tfds"))
+
+
+def _config(data_dir, **extra):
+  return testing.tiny_train_config(
+      data_dir, model__attention_pattern="KMKMKM", eval__every_steps=0,
+      checkpoint__every_steps=2, train__num_steps=4, **extra)
+
+
+def _losses(workdir):
+  return [(r["step"], r["loss"]) for r in metrics.read_metrics(workdir)
+          if "loss" in r]
+
+
+def test_scanned_training_matches_unscanned(tmp_path, data_dir):
+  runs = {}
+  for scan in (False, True):
+    workdir = str(tmp_path / f"scan_{scan}")
+    state = train_loop.train_and_evaluate(
+        _config(data_dir, model__scan_layers=scan, train__num_steps=10),
+        workdir)
+    runs[scan] = state, np.array([loss for _, loss in _losses(workdir)])
+  assert len(runs[True][1]) == 10
+  np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-6)
+  params = stack.to_unscanned(runs[True][0].params,
+                              _config(data_dir).model)
+  errs = jax.tree.map(testing.rel_err, params, runs[False][0].params)
+  assert max(jax.tree.leaves(errs)) < 1e-5
+
+
+def test_resume_with_accumulation_and_scan_is_exact(tmp_path, data_dir):
+  extra = dict(model__scan_layers=True, train__grad_accum_steps=2,
+               train__remat="save_outputs")
+  straight = str(tmp_path / "straight")
+  state = train_loop.train_and_evaluate(_config(data_dir, **extra),
+                                        straight)
+  resumed = str(tmp_path / "resumed")
+  train_loop.train_and_evaluate(
+      _config(data_dir, **dict(extra, train__num_steps=2)), resumed)
+  again = train_loop.train_and_evaluate(_config(data_dir, **extra), resumed)
+  assert _losses(resumed) == _losses(straight)
+  assert [s for s, _ in _losses(straight)] == [1, 2, 3, 4]
+  jax.tree.map(np.testing.assert_array_equal, again.params, state.params)
+
+
+def test_batch_not_divisible_into_micro_batches_is_refused(tmp_path,
+                                                           data_dir):
+  with pytest.raises(ValueError, match="2 data x fsdp|micro-batches"):
+    train_loop.train_and_evaluate(
+        _config(data_dir, train__grad_accum_steps=3), str(tmp_path / "w"))
