@@ -103,7 +103,8 @@ class DecoderBlock(hk.Module):
     if self.kind == "K":
       h = kda.KimiDeltaAttention(
           cfg.num_heads, cfg.head_dim, head_v_dim=cfg.kda_head_v_dim,
-          gate=cfg.kda_gate, conv_size=cfg.conv_size,
+          gate=cfg.kda_gate, lower_bound=cfg.kda_lower_bound,
+          conv_size=cfg.conv_size,
           conv_bias=cfg.conv_bias, norm_eps=eps, impl=cfg.kda_impl,
           chunk_size=cfg.kda_chunk_size, param_dtype=pdt, name="kda")(
               h, segment_ids, cache=cache, return_cache=with_cache)
@@ -115,7 +116,7 @@ class DecoderBlock(hk.Module):
           qk_rope_head_dim=cfg.qk_rope_head_dim,
           v_head_dim=cfg.v_head_dim, rope_theta=cfg.rope_theta,
           use_nope=cfg.use_nope, output_gate=cfg.mla_output_gate,
-          norm_eps=eps, param_dtype=pdt, name="mla")(
+          norm_eps=cfg.mla_norm_eps, param_dtype=pdt, name="mla")(
               h, segment_ids, positions, cache=cache, max_len=max_len)
     if with_cache:
       h, cache = h
