@@ -79,7 +79,7 @@ def header(path):
 
 def assert_trees_equal(a, b):
   assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     assert x.dtype == y.dtype
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 

@@ -16,7 +16,6 @@ May import: `kda_lm.config`, `model`, `layers`, `kda_lm.parallel`,
 `kda_lm.infer`, which never import it.
 """
 
-from kda_lm.hf.convert import load_pretrained
-from kda_lm.hf.convert import save_pretrained
+from kda_lm.hf.convert import load_pretrained, save_pretrained
 
 __all__ = ["load_pretrained", "save_pretrained"]

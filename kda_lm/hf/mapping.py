@@ -71,8 +71,9 @@ def _norm(module: str) -> Target:
 
 def _swiglu(hf: str, kda: str, names=("gate_proj", "up_proj", "down_proj")
             ) -> dict[str, Target]:
+  kda_names = ("gate_proj", "up_proj", "down_proj")
   return {f"{hf}.{n}.weight": _linear(f"{kda}/{k}")
-          for n, k in zip(names, ("gate_proj", "up_proj", "down_proj"))}
+          for n, k in zip(names, kda_names, strict=True)}
 
 
 def _kda_layer(p: str, m: str, model_type: str) -> dict[str, Target]:
@@ -117,7 +118,7 @@ def _moe_layer(p: str, m: str, cfg: config_lib.ModelConfig,
          f"{p}.gate.{names['bias']}": Target(m, moe.BIAS_NAME, "same")}
   for e in range(cfg.num_experts):
     for hf, kda in zip(names["experts"], ("gate_proj", "up_proj",
-                                          "down_proj")):
+                                          "down_proj"), strict=True):
       out[f"{p}.experts.{e}.{hf}.weight"] = Target(m, kda, "transpose", e)
   if cfg.num_shared_experts:
     out.update(_swiglu(f"{p}.shared_experts", f"{m}/shared_experts"))

@@ -90,7 +90,8 @@ class KimiDeltaAttention(hk.Module):
 
   def __init__(self, num_heads: int, head_dim: int, *,
                head_v_dim: Optional[int] = None, gate: str = "ling",
-               lower_bound: float = LING_LOWER_BOUND, conv_size: int = 4, conv_bias: bool = False,
+               lower_bound: float = LING_LOWER_BOUND, conv_size: int = 4,
+               conv_bias: bool = False,
                norm_eps: float = 1e-6, impl: str = "auto",
                chunk_size: Optional[int] = None,
                param_dtype=jnp.float32,
