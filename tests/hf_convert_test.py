@@ -7,13 +7,15 @@ import json
 import os
 import shutil
 
+import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kda_lm import hf, model, testing
+from kda_lm import config, hf, model, testing
 from kda_lm.hf import formats, safetensors_io
+from kda_lm.parallel import sharding
 
 FIXTURES = os.path.join(testing.REPO, "tests", "testdata", "hf")
 TYPES = ("bailing_hybrid", "kimi_linear")
@@ -171,3 +173,15 @@ def test_layer_kinds_without_layer_types():
       hf_config = json.load(f)
     del hf_config["layer_types"]
     assert formats.from_hf(hf_config).attention_pattern == "KKKMKKKM"
+
+
+def test_mesh_placement_and_dtype():
+  mesh = sharding.make_mesh(config.MeshConfig())
+  model_config, params = hf.load_pretrained(fixture("kimi_linear"),
+                                            dtype="bfloat16", mesh=mesh)
+  assert model_config.param_dtype == "bfloat16"
+  for module, name, p in hk.data_structures.traverse(params):
+    assert isinstance(p.sharding, jax.sharding.NamedSharding), module
+    assert p.sharding.mesh == mesh
+    f32 = name in ("A_log", "dt_bias", "router", "e_score_correction_bias")
+    assert p.dtype == (jnp.float32 if f32 else jnp.bfloat16), (module, name)
