@@ -185,3 +185,17 @@ def test_mesh_placement_and_dtype():
     assert p.sharding.mesh == mesh
     f32 = name in ("A_log", "dt_bias", "router", "e_score_correction_bias")
     assert p.dtype == (jnp.float32 if f32 else jnp.bfloat16), (module, name)
+
+
+def test_format_options_reach_the_layers():
+  """`mla_norm_eps` and `kda_lower_bound` change the logits."""
+  model_config, _ = hf.load_pretrained(fixture("bailing_hybrid"))
+  model_config.attention_pattern = "KM"
+  tokens = jnp.asarray(golden("bailing_hybrid")[0][1])[None]
+  params = model.build(model_config).init(jax.random.key(0), tokens)
+  base = model.build(model_config).apply(params, tokens)
+  for key, value in (("mla_norm_eps", 1.0), ("kda_lower_bound", -1.0)):
+    changed = model_config.copy_and_resolve_references()
+    changed[key] = value
+    other = model.build(changed).apply(params, tokens)
+    assert testing.rel_err(other, base) > 1e-3, key
