@@ -199,3 +199,18 @@ def test_format_options_reach_the_layers():
     changed[key] = value
     other = model.build(changed).apply(params, tokens)
     assert testing.rel_err(other, base) > 1e-3, key
+
+
+def test_kimi_dense_layers_saved_as_mlp(tmp_path):
+  path = str(tmp_path / "ckpt")
+  shutil.copytree(fixture("kimi_linear"), path)
+
+  def rename(arrays):
+    for name in [k for k in arrays if ".0.block_sparse_moe." in k]:
+      arrays[name.replace("block_sparse_moe", "mlp")] = arrays.pop(name)
+
+  rewrite(path, rename)
+  assert any(".0.mlp." in k for k in safetensors_io.weight_map(path))
+  _, want = hf.load_pretrained(fixture("kimi_linear"))
+  _, got = hf.load_pretrained(path)
+  assert_trees_equal(got, want)

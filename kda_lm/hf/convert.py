@@ -94,12 +94,14 @@ def load_pretrained(path: str, *, dtype: Optional[str] = None,
   abstract = model_lib.abstract_params(cfg)
   tmap = mapping.tensor_map(cfg, model_type)
   wmap = safetensors_io.weight_map(path)
-  skip = _check_names(tmap, set(wmap), hf, cfg)
+  names = {mapping.canonical_name(k, model_type): k for k in wmap}
+  skip = _check_names(tmap, set(names), hf, cfg)
   place = _placer(abstract, mesh)
   params, pending = {}, {}
   for name, array in safetensors_io.iter_tensors(
-      path, {k: v for k, v in wmap.items() if k not in skip}):
-    t = tmap[name]
+      path, {k: v for k, v in wmap.items()
+             if mapping.canonical_name(k, model_type) not in skip}):
+    t = tmap[mapping.canonical_name(name, model_type)]
     spec = abstract[t.module][t.name]
     want = mapping.hf_shape(t, tuple(spec.shape), model_type)
     if tuple(array.shape) != want:

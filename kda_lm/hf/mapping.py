@@ -163,6 +163,14 @@ def tensor_map(cfg: config_lib.ModelConfig, model_type: str
   return out
 
 
+def canonical_name(name: str, model_type: str) -> str:
+  """A tensor name as `tensor_map` spells it: Kimi's dense feed-forwards
+  may also be saved as `mlp.*` (transformers reads both)."""
+  if model_type == KIMI and ".mlp." in name:
+    return name.replace(".mlp.", ".block_sparse_moe.", 1)
+  return name
+
+
 def zero_params(cfg: config_lib.ModelConfig, model_type: str
                 ) -> list[tuple[str, str]]:
   """(module, name) of the kda-lm parameters the format has no tensor for
