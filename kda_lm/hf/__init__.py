@@ -7,9 +7,9 @@
   cannot express.
 * `mapping`: checkpoint tensor names <-> the parameter tree (unscanned).
 * `safetensors_io`: reading and writing safetensors, one tensor at a time.
-* `tokenizer`: the imported model's `tokenizer.json`.
-* `__main__`: `python -m kda_lm.hf import|export` between a checkpoint
-  directory and a workdir.
+* `workdir`: a checkpoint directory <-> a run directory (step-0 checkpoint
+  written through `kda_lm.checkpoint`, the model's `tokenizer.json`).
+* `__main__`: `python -m kda_lm.hf import|export`.
 
 May import: `kda_lm.config`, `model`, `layers`, `kda_lm.parallel`,
 `kda_lm.checkpoint`, `data`. Sits beside `kda_lm.train` and
