@@ -4,10 +4,12 @@ run directory trains, generates and exports back."""
 import os
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
 from configs import ling3
+from data import tokenizer as tokenizer_lib
 from kda_lm import hf, testing
 from kda_lm.checkpoint import state as state_lib
 from kda_lm.hf import workdir as hf_workdir
@@ -54,3 +56,18 @@ def test_import_train_export_import(tmp_path):
   text = generate.continue_prompt(
       run, "1 2 3 4", 3, None, sampling=decoding.SamplingConfig())
   assert len(text.split()) == 3, text
+
+
+def test_generate_encodes_with_an_imported_tokenizer(tmp_path):
+  """A `tokenizer.json` in the workdir (as the import copies it) is the
+  text codec of `generate --prompt`."""
+  tok = tokenizer_lib.train(["hello world, hello there"] * 4, 260)
+  tok.save(str(tmp_path / hf_workdir.TOKENIZER))
+  run = state_lib.Run(str(tmp_path), ml_collections.ConfigDict(
+      {"data": {"name": "delayed_copy"}}), None, 0)
+  codec = generate.text_codec(run)
+  ids = codec.encode("hello world")
+  assert ids == tok.encode("hello world").ids and max(ids) >= 256
+  assert codec.decode(ids) == "hello world"
+  os.remove(tmp_path / hf_workdir.TOKENIZER)
+  assert generate.text_codec(run) is None
