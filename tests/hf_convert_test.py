@@ -214,3 +214,24 @@ def test_kimi_dense_layers_saved_as_mlp(tmp_path):
   _, want = hf.load_pretrained(fixture("kimi_linear"))
   _, got = hf.load_pretrained(path)
   assert_trees_equal(got, want)
+
+
+def test_mtp_layers_are_skipped_and_kimi_ignores_rope_scaling(tmp_path):
+  path = str(tmp_path / "ckpt")
+  shutil.copytree(fixture("bailing_hybrid"), path)
+  rewrite(path, lambda a: a.update(
+      {"model.layers.8.enorm.weight": np.ones(16, np.float32)}))
+  with pytest.raises(ValueError, match="unexpected tensor 'model.layers.8"):
+    hf.load_pretrained(path)
+  with open(os.path.join(path, "config.json")) as f:
+    hf_config = json.load(f)
+  hf_config["num_nextn_predict_layers"] = 1
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(hf_config, f)
+  _, params = hf.load_pretrained(path)
+  _, want = hf.load_pretrained(fixture("bailing_hybrid"))
+  assert_trees_equal(params, want)
+  with open(os.path.join(fixture("kimi_linear"), "config.json")) as f:
+    kimi = json.load(f)
+  kimi["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+  assert formats.from_hf(kimi).use_nope

@@ -47,7 +47,8 @@ def _refuse_unsupported(hf: dict, model_type: str) -> None:
   """Raises for what kda-lm cannot represent, naming the field."""
   rope = _get(hf, "rope_parameters", "rope_scaling", default={}) or {}
   rope_type = rope.get("rope_type", rope.get("type", "default"))
-  if rope_type != "default":
+  # Kimi's MLA applies no RoPE (and no YaRN attention scale): ignored there.
+  if rope_type != "default" and model_type == mapping.BAILING:
     raise ValueError(
         f"config.json field 'rope_parameters.rope_type' is {rope_type!r}: "
         f"kda-lm implements only the default RoPE (no YaRN or other rope "
