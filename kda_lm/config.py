@@ -245,9 +245,11 @@ class ModelConfig:
   mtp_layer_kind: str = "M"
   # Options the Hugging Face formats need (kda_lm/hf/): the MLA latent
   # norms' (q_a, kv_a) epsilon, None = norm_eps (Kimi Linear: 1e-6 beside
-  # 1e-5); the `ling` KDA forget gate's lower bound, in [-5, 0).
+  # 1e-5); the `ling` KDA forget gate's lower bound, in [-5, 0); whether
+  # the top-k expert weights are renormalised (`norm_topk_prob`).
   mla_norm_eps: Optional[float] = None
   kda_lower_bound: float = -5.0
+  moe_renormalize: bool = True
 
   @classmethod
   def from_config(cls, values: Any) -> "ModelConfig":

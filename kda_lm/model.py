@@ -132,6 +132,7 @@ class DecoderBlock(hk.Module):
           num_shared_experts=cfg.num_shared_experts,
           routed_scaling_factor=cfg.routed_scaling_factor,
           n_group=cfg.n_group, topk_group=cfg.topk_group,
+          renormalize=cfg.moe_renormalize,
           param_dtype=pdt, impl=cfg.moe_impl, name="moe")(
               h, None if segment_ids is None else segment_ids != 0)
       out = x + h, load

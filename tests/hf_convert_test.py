@@ -155,7 +155,6 @@ def test_bad_tensors_are_named(tmp_path, edit, match):
     ({"model_type": "llama"}, "'model_type' is 'llama'"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                           "rope_theta": 1e4}}, "rope_type"),
-    ({"moe_renormalize": False}, "moe_renormalize"),
     ({"attention_bias": True}, "attention_bias"),
 ])
 def test_bad_configs_are_named(change, match):
@@ -188,13 +187,15 @@ def test_mesh_placement_and_dtype():
 
 
 def test_format_options_reach_the_layers():
-  """`mla_norm_eps` and `kda_lower_bound` change the logits."""
+  """`mla_norm_eps`, `kda_lower_bound` and `moe_renormalize` change the
+  logits."""
   model_config, _ = hf.load_pretrained(fixture("bailing_hybrid"))
   model_config.attention_pattern = "KM"
   tokens = jnp.asarray(golden("bailing_hybrid")[0][1])[None]
   params = model.build(model_config).init(jax.random.key(0), tokens)
   base = model.build(model_config).apply(params, tokens)
-  for key, value in (("mla_norm_eps", 1.0), ("kda_lower_bound", -1.0)):
+  for key, value in (("mla_norm_eps", 1.0), ("kda_lower_bound", -1.0),
+                     ("moe_renormalize", False)):
     changed = model_config.copy_and_resolve_references()
     changed[key] = value
     other = model.build(changed).apply(params, tokens)

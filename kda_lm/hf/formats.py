@@ -55,9 +55,7 @@ def _refuse_unsupported(hf: dict, model_type: str) -> None:
         f"scaling yet).")
   checks = (("attention_bias", False, "biases in the MLA projections"),
             ("tie_word_embeddings", False, "a tied LM head"),
-            ("hidden_act", "silu", "another activation than SiLU"),
-            (("moe_renormalize", "norm_topk_prob"), True,
-             "unnormalised top-k expert weights"))
+            ("hidden_act", "silu", "another activation than SiLU"))
   for names, ok, what in checks:
     names = (names,) if isinstance(names, str) else names
     value = _get(hf, *names, default=ok)
@@ -172,6 +170,8 @@ def from_hf(hf: dict, *, dtype: Optional[str] = None
                                        default=1.0))
   m.n_group = int(_get(hf, "num_expert_group", "n_group", default=1))
   m.topk_group = int(_get(hf, "topk_group", default=1))
+  m.moe_renormalize = bool(_get(hf, "moe_renormalize", "norm_topk_prob",
+                                default=True))
   dtype = dtype or _get(hf, "dtype", "torch_dtype", default="float32")
   if dtype not in _DTYPES:
     raise ValueError(f"Unsupported parameter dtype {dtype!r} (config.json "
@@ -247,7 +247,7 @@ def to_hf(cfg: config_lib.ModelConfig, model_type: str) -> dict:
       "num_shared_experts": cfg.num_shared_experts,
       "num_expert_group": cfg.n_group, "topk_group": cfg.topk_group,
       "routed_scaling_factor": cfg.routed_scaling_factor,
-      "moe_renormalize": True, "dtype": cfg.param_dtype,
+      "moe_renormalize": cfg.moe_renormalize, "dtype": cfg.param_dtype,
   }
   if ling:
     hf.update(rope_parameters={"rope_theta": cfg.rope_theta,
