@@ -10,6 +10,11 @@ train or even initialise on this machine. Use them with `jax.eval_shape`:
   python -m kda_lm.model --config=configs/ling3.py:tiny --noshapes
   python -m configs.ling3          # total / activated parameter table
 
+`get_config("imported=<workdir>")` is the config of a run directory that
+`python -m kda_lm.hf import` wrote from a Hugging Face checkpoint, so that
+`python train.py --config=configs/ling3.py:imported=W --workdir=W`
+fine-tunes it (docs/hf.md).
+
 Parameter conventions (`count_params`): "total" is every parameter of the
 main model (embedding and LM head included, MTP layers excluded, as
 DeepSeek-V3 reports 671B + 14B MTP); "activated" is what one token reads:
@@ -32,6 +37,8 @@ input embedding: 1.38B). Ling 2.0's cards count both tables (Ling-mini-2.0:
 789M non-embedding + 2 x 322M = 1.43B "1.4B"), which is flash's 5.51B.
 """
 
+import json
+import os
 from typing import Any
 
 import jax
@@ -87,8 +94,23 @@ def model_config(size: str) -> ml_collections.ConfigDict:
   return m
 
 
+def imported_config(arg: str) -> ml_collections.ConfigDict:
+  """The config of a run directory written by `python -m kda_lm.hf import`
+  (`arg` = "imported=<workdir>"): fine-tuning resumes it unchanged."""
+  workdir = os.path.expanduser(arg.split("=", 1)[1])
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise ValueError(f"{path} does not exist: import a checkpoint first "
+                     f"(python -m kda_lm.hf import --workdir={workdir}).")
+  with open(path, encoding="utf-8") as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """`--config=configs/ling3.py:tiny` or `:flash` (default tiny)."""
+  """`--config=configs/ling3.py:tiny` or `:flash` (default tiny), or
+  `:imported=<workdir>` (an imported checkpoint's run, to fine-tune)."""
+  if arg and arg.startswith("imported="):
+    return imported_config(arg)
   config = ling3_tiny.get_config()
   config.model = model_config(arg or "tiny")
   return config

@@ -48,7 +48,8 @@ from kda_lm.parallel import sharding  # noqa: E402
 from kda_lm.train import step as step_lib  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", "ling3:tiny",
-                             "configs module:arg, e.g. ling3:flash.")
+                             "configs module[:arg]: ling3:tiny, ling3:flash, "
+                             "kimi_linear.")
 _TARGET = flags.DEFINE_string("target", "v5p-8", "A key of CHIPS' slices.")
 _MESH = flags.DEFINE_string("mesh", "fsdp=4", "Axis sizes, e.g. "
                             "data=2+fsdp=2 (missing axes 1).")
@@ -101,7 +102,8 @@ def target_devices(chip: Chip) -> list:
 def model_config(name: str, layers: int, scan: bool):
   """`configs/<module>.py`'s `model_config(arg)`, cut to `layers`."""
   module, _, arg = name.partition(":")
-  m = importlib.import_module(f"configs.{module}").model_config(arg or None)
+  make = importlib.import_module(f"configs.{module}").model_config
+  m = make(arg) if arg else make()
   if layers:
     m.attention_pattern = m.attention_pattern[:layers - 1] + "M"
   m.scan_layers = scan

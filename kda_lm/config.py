@@ -249,6 +249,13 @@ class ModelConfig:
   # Run the repeated layer group (`kda_lm/stack.py`) under one scan:
   # parameters stacked on a leading axis, compile time flat in depth.
   scan_layers: bool = False
+  # Options the Hugging Face formats need (kda_lm/hf/): the MLA latent
+  # norms' (q_a, kv_a) epsilon, None = norm_eps (Kimi Linear: 1e-6 beside
+  # 1e-5); the `ling` KDA forget gate's lower bound, in [-5, 0); whether
+  # the top-k expert weights are renormalised (`norm_topk_prob`).
+  mla_norm_eps: Optional[float] = None
+  kda_lower_bound: float = -5.0
+  moe_renormalize: bool = True
 
   @classmethod
   def from_config(cls, values: Any) -> "ModelConfig":
@@ -289,10 +296,15 @@ class ModelConfig:
     if self.embed_init_std is None:
       _set(self, "embed_init_std",
            self.d_model ** -0.5 if self.tie_embeddings else 1.0)
+    if self.mla_norm_eps is None:
+      _set(self, "mla_norm_eps", self.norm_eps)
     if not (self.embed_init_std > 0 and self.rope_theta > 0
-            and self.norm_eps > 0):
-      raise ValueError("model.embed_init_std, rope_theta and norm_eps must "
-                       "be positive.")
+            and self.norm_eps > 0 and self.mla_norm_eps > 0):
+      raise ValueError("model.embed_init_std, rope_theta, norm_eps and "
+                       "mla_norm_eps must be positive.")
+    if not -5.0 <= self.kda_lower_bound < 0.0:
+      raise ValueError(f"model.kda_lower_bound must lie in [-5, 0), got "
+                       f"{self.kda_lower_bound!r}.")
     self._check_moe_and_mtp()
 
   def _check_pattern(self):

@@ -14,7 +14,7 @@ RANKS = {
     "kda_lm.model": 5, "kda_lm.losses": 5, "kda_lm.optimizer": 5,
     "data": 6,
     "kda_lm.checkpoint": 7,
-    "kda_lm.train": 8, "kda_lm.infer": 8,
+    "kda_lm.train": 8, "kda_lm.infer": 8, "kda_lm.hf": 8,
     "kda_lm.testing": 9,
 }
 # The layers' one entry into the parallel room.

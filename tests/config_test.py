@@ -40,6 +40,8 @@ def test_model_config_resolves_none_defaults():
     ("mtp_layer_kind", "X", "model.mtp_layer_kind"),
     ("norm_eps", 0.0, "norm_eps"),
     ("param_dtype", "int8", "model.param_dtype"),
+    ("mla_norm_eps", -1.0, "mla_norm_eps"),
+    ("kda_lower_bound", -6.0, "model.kda_lower_bound"),
 ])
 def test_model_config_errors_name_the_field(key, value, match):
   values = ling3_tiny.model_config()

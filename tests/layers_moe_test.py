@@ -128,6 +128,15 @@ def test_bias_changes_routing_not_combine_weights():
     np.testing.assert_allclose(w.sum(-1), SCALE, rtol=1e-6)
 
 
+def test_weights_without_renormalisation_are_the_raw_scores():
+  rng = np.random.default_rng(3)
+  scores = jax.nn.sigmoid(jnp.asarray(rng.normal(size=(16, E)), jnp.float32))
+  idx, w = moe.route(scores, jnp.zeros(E), K, routed_scaling_factor=SCALE,
+                     renormalize=False)
+  np.testing.assert_array_equal(
+      w, jnp.take_along_axis(scores, idx, axis=1) * SCALE)
+
+
 def test_bias_update_moves_load_toward_uniform():
   rng = np.random.default_rng(3)
   logits = rng.normal(size=(512, E)) + np.linspace(3.0, -3.0, E)  # skewed

@@ -18,6 +18,7 @@ Loads `<workdir>/config.json` and the newest checkpoint, then either
 """
 
 import functools
+import os
 import sys
 import time
 from typing import Optional, Sequence
@@ -30,11 +31,19 @@ from data import tokenizer as tokenizer_lib
 from kda_lm.checkpoint import state as state_lib
 from kda_lm.infer import decoding
 
+# An imported Hugging Face checkpoint's tokenizer, in its workdir.
+IMPORTED_TOKENIZER = "tokenizer.json"
+
 
 def text_codec(run: state_lib.Run) -> Optional[tokenizer_lib.TextCodec]:
   """The run's text codec (bytes or its BPE, checked against the SHA-256
-  in its config); None for runs that are not on text (token ids)."""
+  in its config; or the `tokenizer.json` that `python -m kda_lm.hf import`
+  copied into the workdir); None for runs that are not on text (token
+  ids)."""
   from data import pipeline  # pylint: disable=g-import-not-at-top
+  imported = os.path.join(run.workdir, IMPORTED_TOKENIZER)
+  if os.path.isfile(imported):
+    return tokenizer_lib.TextCodec(imported)
   if run.config.data.name != "text_files":
     return None
   data = pipeline.DataConfig.from_config(run.config.data).resolve(

@@ -60,7 +60,8 @@ class DecoderBlock(hk.Module):
     if self.kind == "K":
       h = kda.KimiDeltaAttention(
           cfg.num_heads, cfg.head_dim, head_v_dim=cfg.kda_head_v_dim,
-          gate=cfg.kda_gate, conv_size=cfg.conv_size,
+          gate=cfg.kda_gate, lower_bound=cfg.kda_lower_bound,
+          conv_size=cfg.conv_size,
           conv_bias=cfg.conv_bias, norm_eps=eps, impl=cfg.kda_impl,
           chunk_size=cfg.kda_chunk_size, param_dtype=pdt, name="kda")(
               h, segment_ids, cache=cache, return_cache=with_cache)
@@ -72,7 +73,7 @@ class DecoderBlock(hk.Module):
           qk_rope_head_dim=cfg.qk_rope_head_dim,
           v_head_dim=cfg.v_head_dim, rope_theta=cfg.rope_theta,
           use_nope=cfg.use_nope, output_gate=cfg.mla_output_gate,
-          norm_eps=eps, param_dtype=pdt, name="mla")(
+          norm_eps=cfg.mla_norm_eps, param_dtype=pdt, name="mla")(
               h, segment_ids, positions, cache=cache, max_len=max_len)
     if with_cache:
       h, cache = h
@@ -88,7 +89,8 @@ class DecoderBlock(hk.Module):
           num_shared_experts=cfg.num_shared_experts,
           routed_scaling_factor=cfg.routed_scaling_factor,
           n_group=cfg.n_group, topk_group=cfg.topk_group,
-          param_dtype=pdt, impl=cfg.moe_impl, name="moe")(
+          renormalize=cfg.moe_renormalize, param_dtype=pdt,
+          impl=cfg.moe_impl, name="moe")(
               h, None if segment_ids is None else segment_ids != 0)
     out = x + ad_checkpoint.checkpoint_name(h, FFN_OUT), load
     return out + (cache,) if with_cache else out

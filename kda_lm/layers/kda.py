@@ -90,7 +90,8 @@ class KimiDeltaAttention(hk.Module):
 
   def __init__(self, num_heads: int, head_dim: int, *,
                head_v_dim: Optional[int] = None, gate: str = "ling",
-               conv_size: int = 4, conv_bias: bool = False,
+               lower_bound: float = LING_LOWER_BOUND, conv_size: int = 4,
+               conv_bias: bool = False,
                norm_eps: float = 1e-6, impl: str = "auto",
                chunk_size: Optional[int] = None,
                param_dtype=jnp.float32,
@@ -102,6 +103,8 @@ class KimiDeltaAttention(hk.Module):
       head_dim: K, the query/key head dim.
       head_v_dim: V, the value head dim (default K).
       gate: "ling" or "kimi" (see the module docstring).
+      lower_bound: the `ling` forget gate's bound, in [-5, 0) (Ling 3.0's
+        `kda_lower_bound`, -5 by default).
       conv_size: short convolution kernel size (taps).
       conv_bias: give the short convolutions a bias.
       norm_eps: epsilon of the gated output RMSNorm.
@@ -128,6 +131,7 @@ class KimiDeltaAttention(hk.Module):
     self.head_dim = head_dim
     self.head_v_dim = head_v_dim
     self.gate = gate
+    self.lower_bound = lower_bound
     self.conv_size = conv_size
     self.conv_bias = conv_bias
     self.norm_eps = norm_eps
@@ -188,7 +192,7 @@ class KimiDeltaAttention(hk.Module):
     k_BTHK = proj_conv(H * K, "k").reshape(B, T, H, K)
     v_BTHV = proj_conv(H * V, "v").reshape(B, T, H, V)
     g_BTHK, out_gate, lower_bound, safe_gate = _gate_projections(
-        x, dense, self.gate, H, K, V)
+        x, dense, self.gate, H, K, V, self.lower_bound)
     beta_BTH = jax.nn.sigmoid(dense(H, "b_proj")(x))
     A_log_H = hk.get_parameter("A_log", [H], jnp.float32,
                                init=a_log_init(self.gate))
@@ -215,7 +219,8 @@ class KimiDeltaAttention(hk.Module):
     return y, KDACache(state=state, **windows)
 
 
-def _gate_projections(x, dense, gate, H, K, V):
+def _gate_projections(x, dense, gate, H, K, V,
+                      ling_lower_bound=LING_LOWER_BOUND):
   """The decay gate and output gate projections of one gate form.
 
   A function, not a method, so that the modules `dense` builds carry no
@@ -227,6 +232,7 @@ def _gate_projections(x, dense, gate, H, K, V):
     gate: "ling" (full-rank gates, bounded decay) or "kimi" (low-rank gates
       through width V, the softplus decay).
     H, K, V: heads, key and value dims.
+    ling_lower_bound: the `ling` gate's lower bound.
 
   Returns:
     (raw decay gate g [B,T,H,K], output gate [B,T,H*V], the op's
@@ -236,7 +242,7 @@ def _gate_projections(x, dense, gate, H, K, V):
   if gate == "ling":
     g = dense(H * K, "f_proj")(x)
     out_gate = dense(H * V, "g_proj")(x)
-    lower_bound, safe_gate = LING_LOWER_BOUND, True
+    lower_bound, safe_gate = ling_lower_bound, True
   else:
     g = dense(H * K, "f_b_proj")(dense(V, "f_a_proj")(x))
     out_gate = dense(H * V, "g_b_proj", with_bias=True)(

@@ -67,7 +67,7 @@ def check_dims(*, num_experts: int, num_experts_per_tok: int,
 
 def route(scores: jax.Array, bias: jax.Array, top_k: int, *,
           n_group: int = 1, topk_group: int = 1,
-          routed_scaling_factor: float = 1.0
+          routed_scaling_factor: float = 1.0, renormalize: bool = True
           ) -> tuple[jax.Array, jax.Array]:
   """Selects experts and their combine weights.
 
@@ -78,6 +78,8 @@ def route(scores: jax.Array, bias: jax.Array, top_k: int, *,
     n_group: expert groups for group-limited selection (1 = none).
     topk_group: groups kept per token.
     routed_scaling_factor: multiplies the renormalised weights.
+    renormalize: divide the selected scores by their sum (False: the raw
+      sigmoid scores, `norm_topk_prob=False` in Hugging Face configs).
 
   Returns:
     (idx [M,A] int32 expert ids, weights [M,A] float32 from the raw scores).
@@ -95,7 +97,9 @@ def route(scores: jax.Array, bias: jax.Array, top_k: int, *,
     sel = jnp.where(expert_mask, sel, -jnp.inf)
   _, idx = jax.lax.top_k(sel, top_k)
   w = jnp.take_along_axis(scores, idx, axis=1)
-  w = w / (w.sum(-1, keepdims=True) + 1e-20) * routed_scaling_factor
+  if renormalize:
+    w = w / (w.sum(-1, keepdims=True) + 1e-20)
+  w = w * routed_scaling_factor
   return idx.astype(jnp.int32), w
 
 
@@ -232,8 +236,9 @@ class MoE(hk.Module):
   def __init__(self, num_experts: int, num_experts_per_tok: int,
                intermediate_size: int, *, num_shared_experts: int = 1,
                routed_scaling_factor: float = 1.0, n_group: int = 1,
-               topk_group: int = 1, param_dtype=jnp.float32,
-               impl: str = "auto", name: Optional[str] = None):
+               topk_group: int = 1, renormalize: bool = True,
+               param_dtype=jnp.float32, impl: str = "auto",
+               name: Optional[str] = None):
     """Initialises the module.
 
     Args:
@@ -245,6 +250,7 @@ class MoE(hk.Module):
       routed_scaling_factor: multiplies the renormalised top-k weights.
       n_group: expert groups (1 = plain top-k).
       topk_group: groups each token may pick experts from.
+      renormalize: renormalise the top-k weights (see `route`).
       param_dtype: dtype of the expert weights (router weight and bias are
         float32).
       impl: the routed experts' grouped matmul (`kda_lm.ops.gmm`).
@@ -262,7 +268,8 @@ class MoE(hk.Module):
     self.num_shared = num_shared_experts
     # `route`'s selection settings.
     self.routing = dict(n_group=n_group, topk_group=topk_group,
-                        routed_scaling_factor=routed_scaling_factor)
+                        routed_scaling_factor=routed_scaling_factor,
+                        renormalize=renormalize)
     self.param_dtype = param_dtype
     self.impl = impl
 

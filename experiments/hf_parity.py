@@ -1,0 +1,54 @@
+r"""The parity table of docs/hf.md: kda-lm's logits against transformers'.
+
+For each fixture in tests/testdata/hf (tiny `bailing_hybrid` and
+`kimi_linear` models made by transformers, with its logits of each document
+run alone), imports the checkpoint, runs all documents packed in one row
+with `segment_ids`, and prints each document's relative error
+(`kda_lm.testing.rel_err`) and the largest absolute difference.
+
+  python -m experiments.hf_parity
+"""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+import kda_lm  # noqa: F401  # isort: skip  (first: XLA:CPU flags)
+from kda_lm import hf, model, testing
+
+FIXTURES = os.path.join(testing.REPO, "tests", "testdata", "hf")
+
+
+def parity(model_type: str) -> list[tuple[int, float, float]]:
+  """(length, relative error, max |diff|) per document."""
+  path = os.path.join(FIXTURES, model_type)
+  model_config, params = hf.load_pretrained(path)
+  g = np.load(os.path.join(path, "golden.npz"))
+  n = sum(k.startswith("tokens_") for k in g)
+  docs = [g[f"tokens_{i}"] for i in range(n)]
+  ids = np.concatenate([np.full(len(d), i + 1, np.int32)
+                        for i, d in enumerate(docs)])
+  logits = np.asarray(model.build(model_config).apply(
+      params, jnp.asarray(np.concatenate(docs))[None],
+      jnp.asarray(ids)[None]))[0]
+  out, start = [], 0
+  for i, d in enumerate(docs):
+    got, want = logits[start:start + len(d)], g[f"logits_{i}"]
+    out.append((len(d), testing.rel_err(got, want),
+                float(np.abs(got - want).max())))
+    start += len(d)
+  return out
+
+
+def main() -> None:
+  print("| format | " + " | ".join(f"doc {i}" for i in range(4))
+        + " | max abs diff |")
+  for model_type in ("bailing_hybrid", "kimi_linear"):
+    rows = parity(model_type)
+    cells = " | ".join(f"{e:.1e} ({n})" for n, e, _ in rows)
+    print(f"| `{model_type}` | {cells} | {max(m for *_, m in rows):.1e} |")
+
+
+if __name__ == "__main__":
+  main()

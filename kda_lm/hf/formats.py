@@ -1,0 +1,275 @@
+"""Configs: a Hugging Face `config.json` <-> kda-lm's `model` section.
+
+Two formats, both shipped by `transformers` 5.x: `bailing_hybrid` (Ling
+3.0, `BailingHybridConfig`) and `kimi_linear` (Kimi Linear,
+`KimiLinearConfig`). What a format has and kda-lm cannot represent is
+refused on import with a `ValueError` naming the `config.json` field; what
+kda-lm has and the format cannot express is refused on export naming the
+`config.model` option to change.
+
+Layer kinds: both formats save `layer_types` ("linear_attention" = KDA,
+"full_attention" = MLA); without it, Ling's rule is `layer_group_size`
+(layer i is MLA when (i + 1) % G == 0) and Kimi's is
+`linear_attn_config.full_attn_layers` (1-based layer numbers).
+"""
+
+from typing import Any, Optional
+
+import ml_collections
+
+from kda_lm import config as config_lib
+from kda_lm.hf import mapping
+
+# HF's MLA latent norms (q_a_layernorm, kv_a_layernorm) use this epsilon in
+# both formats, whatever `rms_norm_eps` says.
+HF_LATENT_NORM_EPS = 1e-6
+_KINDS = {"linear_attention": "K", "full_attention": "M"}
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16",
+           "float16": "float16"}
+
+
+def _get(hf: dict, *names: str, default: Any = None) -> Any:
+  """The first of `names` present in `hf` (transformers' aliases)."""
+  for name in names:
+    if name in hf and hf[name] is not None:
+      return hf[name]
+  return default
+
+
+def _need(hf: dict, *names: str) -> Any:
+  value = _get(hf, *names)
+  if value is None:
+    raise ValueError(f"config.json lacks the field {names[0]!r}.")
+  return value
+
+
+def _refuse_unsupported(hf: dict, model_type: str) -> None:
+  """Raises for what kda-lm cannot represent, naming the field."""
+  rope = _get(hf, "rope_parameters", "rope_scaling", default={}) or {}
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  # Kimi's MLA applies no RoPE (and no YaRN attention scale): ignored there.
+  if rope_type != "default" and model_type == mapping.BAILING:
+    raise ValueError(
+        f"config.json field 'rope_parameters.rope_type' is {rope_type!r}: "
+        f"kda-lm implements only the default RoPE (no YaRN or other rope "
+        f"scaling yet).")
+  checks = (("attention_bias", False, "biases in the MLA projections"),
+            ("tie_word_embeddings", False, "a tied LM head"),
+            ("hidden_act", "silu", "another activation than SiLU"))
+  for names, ok, what in checks:
+    names = (names,) if isinstance(names, str) else names
+    value = _get(hf, *names, default=ok)
+    if value != ok:
+      raise ValueError(f"config.json field {names[0]!r} is {value!r}: "
+                       f"kda-lm has no {what}.")
+  if model_type == mapping.BAILING and not _get(hf, "kda_safe_gate",
+                                                default=True):
+    raise ValueError("config.json field 'kda_safe_gate' is False: kda-lm's "
+                     "Ling KDA gate is the bounded one only.")
+
+
+def _pattern(hf: dict, model_type: str, num_layers: int) -> str:
+  """The layer kinds as an `attention_pattern`."""
+  types = hf.get("layer_types")
+  if types is None and model_type == mapping.BAILING:
+    group = int(_get(hf, "layer_group_size", default=6))
+    types = ["full_attention" if (i + 1) % group == 0 else
+             "linear_attention" for i in range(num_layers)]
+  if types is None:
+    full = (hf.get("linear_attn_config") or {}).get("full_attn_layers")
+    if full is None:
+      raise ValueError("config.json has neither 'layer_types' nor "
+                       "'linear_attn_config.full_attn_layers'.")
+    types = ["full_attention" if i + 1 in full else "linear_attention"
+             for i in range(num_layers)]
+  bad = sorted({t for t in types if t not in _KINDS})
+  if bad or len(types) != num_layers:
+    raise ValueError(f"config.json field 'layer_types' must list "
+                     f"{num_layers} of {sorted(_KINDS)}, got {types!r}.")
+  return "".join(_KINDS[t] for t in types)
+
+
+def _first_dense(hf: dict, num_layers: int) -> int:
+  """`first_k_dense_replace` from `mlp_layer_types` (dense ones first)."""
+  types = hf.get("mlp_layer_types")
+  if types is None:
+    return int(_get(hf, "first_k_dense_replace", default=0))
+  k = sum(t == "dense" for t in types)
+  if len(types) != num_layers or types != ["dense"] * k + ["sparse"] * (
+      num_layers - k):
+    raise ValueError(f"config.json field 'mlp_layer_types' must be "
+                     f"'dense' layers then 'sparse' ones ({num_layers} in "
+                     f"all), got {types!r}.")
+  return k
+
+
+def model_type_of(hf: dict) -> str:
+  """The checked `model_type` of a `config.json` dict."""
+  model_type = hf.get("model_type")
+  if model_type not in mapping.MODEL_TYPES:
+    raise ValueError(f"config.json field 'model_type' is {model_type!r}; "
+                     f"kda-lm reads {mapping.MODEL_TYPES}.")
+  return model_type
+
+
+def from_hf(hf: dict, *, dtype: Optional[str] = None
+            ) -> ml_collections.ConfigDict:
+  """A `config.json` dict as kda-lm's `model` section.
+
+  Args:
+    hf: the parsed `config.json`.
+    dtype: the parameters' dtype; None = the checkpoint's (`dtype` or
+      `torch_dtype`, float32 if absent).
+
+  Returns:
+    A `model` ConfigDict that `kda_lm.model.build` accepts.
+
+  Raises:
+    ValueError: an unknown `model_type`, a missing field, or one kda-lm
+      cannot represent (the message names it).
+  """
+  model_type = model_type_of(hf)
+  _refuse_unsupported(hf, model_type)
+  kimi = model_type == mapping.KIMI
+  lin = hf.get("linear_attn_config") or {}
+  n = int(_need(hf, "num_hidden_layers"))
+  m = config_lib.config_dict(config_lib.ModelConfig)
+  m.vocab_size = int(_need(hf, "vocab_size"))
+  m.d_model = int(_need(hf, "hidden_size"))
+  m.attention_pattern = _pattern(hf, model_type, n)
+  m.mla_num_heads = int(_need(hf, "num_attention_heads"))
+  m.num_heads = int(lin.get("num_heads") or _get(
+      hf, "linear_num_heads", default=m.mla_num_heads))
+  m.head_dim = int(lin.get("head_dim") or _need(hf, "linear_head_dim",
+                                                "head_dim"))
+  m.conv_size = int(lin.get("short_conv_kernel_size") or _get(
+      hf, "linear_conv_kernel_dim", "short_conv_kernel_size", default=4))
+  m.kv_lora_rank = int(_need(hf, "kv_lora_rank"))
+  m.q_lora_rank = int(_get(hf, "q_lora_rank", default=0))
+  m.qk_nope_head_dim = int(_need(hf, "qk_nope_head_dim"))
+  m.qk_rope_head_dim = int(_need(hf, "qk_rope_head_dim"))
+  m.v_head_dim = int(_need(hf, "v_head_dim"))
+  m.mlp_hidden_dim = int(_need(hf, "intermediate_size"))
+  m.norm_eps = float(_get(hf, "rms_norm_eps", default=1e-6))
+  m.mla_norm_eps = HF_LATENT_NORM_EPS
+  rope = _get(hf, "rope_parameters", default={}) or {}
+  m.rope_theta = float(rope.get("rope_theta", _get(hf, "rope_theta",
+                                                   default=10000.0)))
+  m.use_nope = kimi
+  m.mla_output_gate = not kimi
+  m.kda_gate = "kimi" if kimi else "ling"
+  m.kda_lower_bound = float(_get(hf, "kda_lower_bound", default=-5.0))
+  m.num_experts = int(_need(hf, "num_experts", "num_local_experts"))
+  m.moe_intermediate_size = int(_need(hf, "moe_intermediate_size"))
+  m.num_experts_per_tok = int(_need(hf, "num_experts_per_token",
+                                    "num_experts_per_tok"))
+  m.num_shared_experts = int(_get(hf, "num_shared_experts",
+                                  "n_shared_experts", default=0))
+  m.first_k_dense_replace = _first_dense(hf, n)
+  m.routed_scaling_factor = float(_get(hf, "routed_scaling_factor",
+                                       default=1.0))
+  m.n_group = int(_get(hf, "num_expert_group", "n_group", default=1))
+  m.topk_group = int(_get(hf, "topk_group", default=1))
+  m.moe_renormalize = bool(_get(hf, "moe_renormalize", "norm_topk_prob",
+                                default=True))
+  dtype = dtype or _get(hf, "dtype", "torch_dtype", default="float32")
+  if dtype not in _DTYPES:
+    raise ValueError(f"Unsupported parameter dtype {dtype!r} (config.json "
+                     f"field 'dtype'); use one of {sorted(_DTYPES)}.")
+  m.param_dtype = _DTYPES[dtype]
+  config_lib.ModelConfig.from_config(m)   # Validates.
+  return m
+
+
+def guess_model_type(cfg: config_lib.ModelConfig) -> str:
+  """The format whose layers `cfg` has (Ling's or Kimi's KDA gate)."""
+  return mapping.BAILING if cfg.kda_gate == "ling" else mapping.KIMI
+
+
+def _refuse_export(cfg: config_lib.ModelConfig, model_type: str) -> None:
+  """Raises for what `model_type` cannot express, naming the option."""
+  ling = model_type == mapping.BAILING
+  wanted = (("kda_gate", "ling" if ling else "kimi"),
+            ("use_nope", not ling), ("mla_output_gate", ling),
+            ("kda_head_v_dim", cfg.head_dim), ("conv_bias", False),
+            ("tie_embeddings", False), ("num_mtp_layers", 0),
+            ("mla_norm_eps", HF_LATENT_NORM_EPS))
+  if ling:
+    wanted += (("mla_num_heads", cfg.num_heads),
+               ("norm_eps", HF_LATENT_NORM_EPS))
+  for name, ok in wanted:
+    if getattr(cfg, name) != ok:
+      raise ValueError(
+          f"The {model_type} format cannot express model.{name} = "
+          f"{getattr(cfg, name)!r}; set model.{name}={ok!r} (or export to "
+          f"another format).")
+  if not cfg.num_experts:
+    raise ValueError(f"The {model_type} format needs MoE layers; set "
+                     f"model.num_experts > 0.")
+
+
+def to_hf(cfg: config_lib.ModelConfig, model_type: str) -> dict:
+  """kda-lm's model config as the `config.json` of `model_type`.
+
+  Raises:
+    ValueError: the format cannot express `cfg` (names the option).
+  """
+  _refuse_export(cfg, model_type)
+  n = cfg.num_layers
+  kinds = {v: k for k, v in _KINDS.items()}
+  layer_types = [kinds[c] for c in cfg.attention_pattern]
+  ling = model_type == mapping.BAILING
+  hf = {
+      "architectures": ["BailingHybridForCausalLM" if ling else
+                        "KimiLinearForCausalLM"],
+      "model_type": model_type,
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+      "intermediate_size": cfg.mlp_hidden_dim, "num_hidden_layers": n,
+      "num_attention_heads": cfg.mla_num_heads,
+      "num_key_value_heads": cfg.mla_num_heads,
+      "kv_lora_rank": cfg.kv_lora_rank,
+      "q_lora_rank": cfg.q_lora_rank or None,
+      "qk_nope_head_dim": cfg.qk_nope_head_dim,
+      "qk_rope_head_dim": cfg.qk_rope_head_dim,
+      "qk_head_dim": cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+      "head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
+      "linear_head_dim": cfg.head_dim, "linear_num_heads": cfg.num_heads,
+      "linear_conv_kernel_dim": cfg.conv_size,
+      "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
+      "attention_bias": False, "tie_word_embeddings": False,
+      "layer_types": layer_types,
+      "mlp_layer_types": ["dense" if not cfg.is_moe_layer(i) else "sparse"
+                          for i in range(n)],
+      "first_k_dense_replace": cfg.first_k_dense_replace,
+      "num_experts": cfg.num_experts,
+      "moe_intermediate_size": cfg.moe_intermediate_size,
+      "num_experts_per_token": cfg.num_experts_per_tok,
+      "num_shared_experts": cfg.num_shared_experts,
+      "num_expert_group": cfg.n_group, "topk_group": cfg.topk_group,
+      "routed_scaling_factor": cfg.routed_scaling_factor,
+      "moe_renormalize": cfg.moe_renormalize, "dtype": cfg.param_dtype,
+  }
+  if ling:
+    hf.update(rope_parameters={"rope_theta": cfg.rope_theta,
+                               "rope_type": "default"},
+              rope_theta=cfg.rope_theta,
+              short_conv_kernel_size=cfg.conv_size,
+              kda_safe_gate=True, kda_lower_bound=cfg.kda_lower_bound,
+              num_nextn_predict_layers=0,
+              layer_group_size=_group_size(cfg.attention_pattern))
+  else:
+    hf["linear_attn_config"] = {
+        "head_dim": cfg.head_dim, "num_heads": cfg.num_heads,
+        "short_conv_kernel_size": cfg.conv_size,
+        "full_attn_layers": [i + 1 for i, c in
+                             enumerate(cfg.attention_pattern) if c == "M"],
+        "kda_layers": [i + 1 for i, c in enumerate(cfg.attention_pattern)
+                       if c == "K"]}
+  return hf
+
+
+def _group_size(pattern: str) -> int:
+  """Ling's `layer_group_size` when `pattern` follows its rule (else the
+  first MLA layer's position; `layer_types` is what readers use)."""
+  first = pattern.find("M") + 1
+  return first if first > 0 else len(pattern) + 1

@@ -1,0 +1,132 @@
+"""A Hugging Face checkpoint directory <-> a kda-lm run directory.
+
+`import_checkpoint` writes a workdir that `train.py`, `kda_lm.infer.
+evaluate` and `kda_lm.infer.generate` accept: the training config (its
+`model` section the imported one, the other sections from a training
+config), a step-0 checkpoint holding the imported parameters, a fresh
+optimizer state and the data stream at its start, written through
+`kda_lm.checkpoint` like a training run's; and the checkpoint's
+`tokenizer.json`, if it has one, as `<workdir>/tokenizer.json`
+(`generate --prompt` encodes text with it). Fine-tuning is then
+`python train.py --config=configs/ling3.py:imported=W --workdir=W`.
+
+`export_checkpoint` writes a workdir's newest parameters as a checkpoint
+directory (`save_pretrained`), with its tokenizer.
+"""
+
+import json
+import os
+import shutil
+from typing import Any, Optional, Union
+
+from absl import logging
+import jax
+import ml_collections
+
+from data import pipeline
+from kda_lm import model as model_lib
+from kda_lm import optimizer
+from kda_lm.checkpoint import manager as manager_lib
+from kda_lm.checkpoint import state as state_lib
+from kda_lm.checkpoint import workdir as workdir_lib
+from kda_lm.hf import convert, formats
+from kda_lm.parallel import sharding
+
+TOKENIZER = "tokenizer.json"
+
+
+def _initial_state(run, params, mesh) -> state_lib.TrainState:
+  """Step 0: the imported parameters, a fresh optimizer state, the rng a
+  fresh run would have (`state.make_init_fn`)."""
+  abstract = state_lib.abstract_state(run, mesh)
+  tx, _ = optimizer.make_optimizer(run.opt, run.train.num_steps)
+  _, state_rng = jax.random.split(jax.random.PRNGKey(run.train.seed))
+  opt_state = jax.jit(tx.init, out_shardings=jax.tree.map(
+      lambda a: a.sharding, abstract.opt_state))(params)
+  return state_lib.TrainState(params, opt_state, state_rng,
+                              jax.numpy.zeros((), jax.numpy.int32))
+
+
+def import_checkpoint(hf_dir: str, workdir: str,
+                      config: ml_collections.ConfigDict, *,
+                      dtype: Optional[str] = None,
+                      scan_layers: bool = False) -> ml_collections.ConfigDict:
+  """Imports `hf_dir` into a new run directory.
+
+  Args:
+    hf_dir: the checkpoint directory (`load_pretrained`).
+    workdir: the run directory to create; must hold no run yet.
+    config: a training config whose sections besides `model` the run
+      takes (its `model` section is replaced by the imported one).
+    dtype: the parameters' dtype; None = the checkpoint's.
+    scan_layers: the run scans its layer group (`config.model.scan_layers`,
+      the parameters in the scanned layout).
+
+  Returns:
+    The run's config, as recorded in `<workdir>/config.json`.
+
+  Raises:
+    ValueError: `workdir` already holds a run, or the checkpoint or config
+      is refused (see `load_pretrained`, `state.check_config`).
+  """
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  if workdir_lib.read_config(workdir) is not None:
+    raise ValueError(f"{workdir} already holds a run; import into a new "
+                     f"--workdir.")
+  config = ml_collections.ConfigDict(config.to_dict())
+  hf_config = convert.read_config(hf_dir)
+  config.model = ml_collections.ConfigDict(
+      formats.from_hf(hf_config, dtype=dtype).to_dict())
+  config.model.scan_layers = scan_layers
+  os.makedirs(workdir, exist_ok=True)
+  with workdir_lib.WorkdirLock(workdir):
+    config = pipeline.resolve_config(config, workdir, None)
+    run = state_lib.check_config(config)
+    mesh = sharding.make_mesh(run.mesh)
+    _, params = convert.load_pretrained(hf_dir, dtype=dtype, mesh=mesh,
+                                        scan_layers=scan_layers)
+    state = _initial_state(run, params, mesh)
+    config_json = json.loads(config.to_json_best_effort())
+    train_it = pipeline.make_train_iterator(run.data, workdir=workdir)
+    manager = manager_lib.CheckpointManager(
+        workdir_lib.checkpoint_dir(workdir), max_to_keep=None,
+        async_save=False)
+    try:
+      manager.save(0, state, train_it, config=config_json)
+      manager.wait_until_finished()
+    finally:
+      manager.close()
+    workdir_lib.write_config(workdir, config_json, step=0)
+  _copy_tokenizer(hf_dir, workdir)
+  logging.info("Imported %s (%s) into %s at step 0.", hf_dir,
+               hf_config["model_type"], workdir)
+  return config
+
+
+def _copy_tokenizer(source: str, target: str) -> None:
+  path = os.path.join(source, TOKENIZER)
+  if os.path.isfile(path):
+    shutil.copyfile(path, os.path.join(target, TOKENIZER))
+
+
+def export_checkpoint(workdir: str, hf_dir: str, *,
+                      max_shard_size: Union[int, str] = "5GB",
+                      model_type: Optional[str] = None) -> Any:
+  """Writes the newest parameters of `workdir` as a checkpoint directory.
+
+  Returns:
+    The run (`state.load_run`) that was exported.
+
+  Raises:
+    FileNotFoundError: no run or no checkpoint in `workdir`.
+    ValueError: the format cannot express the run's model (see
+      `save_pretrained`).
+  """
+  run = state_lib.load_run(workdir)
+  model_lib.build(run.config.model)   # Validates before writing.
+  convert.save_pretrained(run.config.model, run.params, hf_dir,
+                          max_shard_size=max_shard_size,
+                          model_type=model_type)
+  _copy_tokenizer(run.workdir, hf_dir)
+  logging.info("Exported %s (step %d) to %s.", run.workdir, run.step, hf_dir)
+  return run

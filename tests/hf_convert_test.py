@@ -1,0 +1,257 @@
+"""Tests of kda_lm/hf/: Hugging Face checkpoints in and out, against the
+golden fixtures of tests/testdata/hf (made by transformers, see its
+README)."""
+
+import functools
+import json
+import os
+import shutil
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kda_lm import config, hf, model, stack, testing
+from kda_lm.hf import formats, safetensors_io
+from kda_lm.parallel import sharding
+
+FIXTURES = os.path.join(testing.REPO, "tests", "testdata", "hf")
+TYPES = ("bailing_hybrid", "kimi_linear")
+GAP = 3   # Padding tokens between documents in the padded row.
+
+# Tiny shapes: compilation dominates (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+def fixture(model_type):
+  return os.path.join(FIXTURES, model_type)
+
+
+@functools.lru_cache(maxsize=None)
+def golden(model_type):
+  """(documents' tokens, HF's logits of each document run alone)."""
+  g = np.load(os.path.join(fixture(model_type), "golden.npz"))
+  n = sum(k.startswith("tokens_") for k in g)
+  return ([g[f"tokens_{i}"] for i in range(n)],
+          [g[f"logits_{i}"] for i in range(n)])
+
+
+def packed_rows(docs):
+  """Two rows: the documents packed back to back, and with GAP padding
+  tokens before each (same length T). Returns tokens, ids, starts."""
+  T = sum(len(d) for d in docs) + GAP * len(docs)
+  tokens = np.zeros((2, T), np.int32)
+  ids = np.zeros((2, T), np.int32)
+  starts = [[], []]
+  for row, gap in ((0, 0), (1, GAP)):
+    t = 0
+    for i, d in enumerate(docs):
+      t += gap
+      tokens[row, t:t + len(d)] = d
+      ids[row, t:t + len(d)] = i + 1
+      starts[row].append(t)
+      t += len(d)
+  return tokens, ids, starts
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_import_gives_hf_logits_in_a_packed_row(model_type):
+  model_config, params = hf.load_pretrained(fixture(model_type))
+  docs, want = golden(model_type)
+  tokens, ids, starts = packed_rows(docs)
+  logits = np.asarray(model.build(model_config).apply(
+      params, jnp.asarray(tokens), jnp.asarray(ids)))
+  for i, d in enumerate(docs):
+    for row in (0, 1):   # Packed, and with padding between documents.
+      got = logits[row, starts[row][i]:starts[row][i] + len(d)]
+      err = testing.rel_err(got, want[i])
+      assert err < 1e-5, (model_type, row, i, err)
+
+
+def header(path):
+  """{name: (dtype, shape)} of every tensor of a checkpoint directory."""
+  out = {}
+  for name, shard in safetensors_io.weight_map(path).items():
+    entries, _ = safetensors_io.read_header(os.path.join(path, shard))
+    out[name] = (entries[name]["dtype"], tuple(entries[name]["shape"]))
+  return out
+
+
+def assert_trees_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    assert x.dtype == y.dtype
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_export_round_trip_is_exact(model_type, tmp_path):
+  model_config, params = hf.load_pretrained(fixture(model_type))
+  single, sharded = str(tmp_path / "single"), str(tmp_path / "sharded")
+  hf.save_pretrained(model_config, params, single)
+  hf.save_pretrained(model_config, params, sharded, max_shard_size=20_000)
+  assert not os.path.exists(os.path.join(single, safetensors_io.INDEX))
+  shards = set(safetensors_io.weight_map(sharded).values())
+  assert len(shards) > 3, shards
+  assert header(single) == header(fixture(model_type))
+  assert header(sharded) == header(fixture(model_type))
+  for path in (single, sharded):
+    config2, params2 = hf.load_pretrained(path)
+    assert config2 == model_config
+    assert_trees_equal(params2, params)
+  with open(os.path.join(fixture(model_type), "config.json")) as f:
+    original = json.load(f)
+  with open(os.path.join(single, "config.json")) as f:
+    exported = json.load(f)
+  differ = {k: (v, original[k]) for k, v in exported.items()
+            if k in original and original[k] != v}
+  assert not differ, differ
+  assert exported["model_type"] == model_type
+
+
+def test_export_refuses_what_the_format_cannot_express(tmp_path):
+  model_config, params = hf.load_pretrained(fixture("bailing_hybrid"))
+  model_config.num_mtp_layers = 1
+  with pytest.raises(ValueError, match="num_mtp_layers"):
+    hf.save_pretrained(model_config, params, str(tmp_path))
+  model_config, params = hf.load_pretrained(fixture("kimi_linear"))
+  gate_bias = "layer_0/kda/g_b_proj"
+  params[gate_bias]["b"] = params[gate_bias]["b"] + 1.0
+  with pytest.raises(ValueError, match="g_b_proj/b is not zero"):
+    hf.save_pretrained(model_config, params, str(tmp_path))
+  model_config.kda_head_v_dim = 4
+  with pytest.raises(ValueError, match="kda_head_v_dim"):
+    hf.save_pretrained(model_config, params, str(tmp_path))
+
+
+def rewrite(path, edit):
+  """Rewrites the checkpoint in `path` with `edit(dict of arrays)`."""
+  wmap = safetensors_io.weight_map(path)
+  arrays = dict(safetensors_io.iter_tensors(path, wmap))
+  os.remove(os.path.join(path, safetensors_io.SINGLE))
+  edit(arrays)
+  safetensors_io.write(path, iter(arrays.items()))
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda a: a.pop("model.layers.2.attention.f_proj.weight"),
+     "lacks tensor 'model.layers.2.attention.f_proj.weight'"),
+    (lambda a: a.update({"model.layers.1.extra": np.zeros(2, np.float32)}),
+     "unexpected tensor 'model.layers.1.extra'"),
+    (lambda a: a.update({"model.norm.weight": np.ones(3, np.float32)}),
+     r"'model.norm.weight' has shape \(3,\)"),
+])
+def test_bad_tensors_are_named(tmp_path, edit, match):
+  path = str(tmp_path / "ckpt")
+  shutil.copytree(fixture("bailing_hybrid"), path)
+  rewrite(path, edit)
+  with pytest.raises(ValueError, match=match):
+    hf.load_pretrained(path)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"model_type": "llama"}, "'model_type' is 'llama'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                          "rope_theta": 1e4}}, "rope_type"),
+    ({"attention_bias": True}, "attention_bias"),
+])
+def test_bad_configs_are_named(change, match):
+  with open(os.path.join(fixture("bailing_hybrid"), "config.json")) as f:
+    hf_config = json.load(f)
+  hf_config.update(change)
+  with pytest.raises(ValueError, match=match):
+    formats.from_hf(hf_config)
+
+
+def test_layer_kinds_without_layer_types():
+  """Ling's `layer_group_size` and Kimi's 1-based `full_attn_layers`."""
+  for model_type in TYPES:
+    with open(os.path.join(fixture(model_type), "config.json")) as f:
+      hf_config = json.load(f)
+    del hf_config["layer_types"]
+    assert formats.from_hf(hf_config).attention_pattern == "KKKMKKKM"
+
+
+def test_mesh_placement_and_dtype():
+  mesh = sharding.make_mesh(config.MeshConfig())
+  model_config, params = hf.load_pretrained(fixture("kimi_linear"),
+                                            dtype="bfloat16", mesh=mesh)
+  assert model_config.param_dtype == "bfloat16"
+  for module, name, p in hk.data_structures.traverse(params):
+    assert isinstance(p.sharding, jax.sharding.NamedSharding), module
+    assert p.sharding.mesh == mesh
+    f32 = name in ("A_log", "dt_bias", "router", "e_score_correction_bias")
+    assert p.dtype == (jnp.float32 if f32 else jnp.bfloat16), (module, name)
+
+
+def test_format_options_reach_the_layers():
+  """`mla_norm_eps`, `kda_lower_bound` and `moe_renormalize` change the
+  logits."""
+  model_config, _ = hf.load_pretrained(fixture("bailing_hybrid"))
+  model_config.attention_pattern = "KM"
+  tokens = jnp.asarray(golden("bailing_hybrid")[0][1])[None]
+  params = model.build(model_config).init(jax.random.key(0), tokens)
+  base = model.build(model_config).apply(params, tokens)
+  for key, value in (("mla_norm_eps", 1.0), ("kda_lower_bound", -1.0),
+                     ("moe_renormalize", False)):
+    changed = model_config.copy_and_resolve_references()
+    changed[key] = value
+    other = model.build(changed).apply(params, tokens)
+    assert testing.rel_err(other, base) > 1e-3, key
+
+
+def test_kimi_dense_layers_saved_as_mlp(tmp_path):
+  path = str(tmp_path / "ckpt")
+  shutil.copytree(fixture("kimi_linear"), path)
+
+  def rename(arrays):
+    for name in [k for k in arrays if ".0.block_sparse_moe." in k]:
+      arrays[name.replace("block_sparse_moe", "mlp")] = arrays.pop(name)
+
+  rewrite(path, rename)
+  assert any(".0.mlp." in k for k in safetensors_io.weight_map(path))
+  _, want = hf.load_pretrained(fixture("kimi_linear"))
+  _, got = hf.load_pretrained(path)
+  assert_trees_equal(got, want)
+
+
+def test_mtp_layers_are_skipped_and_kimi_ignores_rope_scaling(tmp_path):
+  path = str(tmp_path / "ckpt")
+  shutil.copytree(fixture("bailing_hybrid"), path)
+  rewrite(path, lambda a: a.update(
+      {"model.layers.8.enorm.weight": np.ones(16, np.float32)}))
+  with pytest.raises(ValueError, match="unexpected tensor 'model.layers.8"):
+    hf.load_pretrained(path)
+  with open(os.path.join(path, "config.json")) as f:
+    hf_config = json.load(f)
+  hf_config["num_nextn_predict_layers"] = 1
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(hf_config, f)
+  _, params = hf.load_pretrained(path)
+  _, want = hf.load_pretrained(fixture("bailing_hybrid"))
+  assert_trees_equal(params, want)
+  with open(os.path.join(fixture("kimi_linear"), "config.json")) as f:
+    kimi = json.load(f)
+  kimi["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+  assert formats.from_hf(kimi).use_nope
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_scanned_layout_imports_and_exports(model_type, tmp_path):
+  model_config, params = hf.load_pretrained(fixture(model_type))
+  scan_config, scanned = hf.load_pretrained(fixture(model_type),
+                                            scan_layers=True)
+  assert scan_config.scan_layers and stack.is_scanned(scanned)
+  assert_trees_equal(stack.to_unscanned(scanned, scan_config), params)
+  docs, want = golden(model_type)
+  tokens, ids, starts = packed_rows(docs)
+  logits = np.asarray(model.build(scan_config).apply(
+      scanned, jnp.asarray(tokens), jnp.asarray(ids)))
+  for i, d in enumerate(docs):
+    got = logits[0, starts[0][i]:starts[0][i] + len(d)]
+    assert testing.rel_err(got, want[i]) < 1e-5
+  hf.save_pretrained(scan_config, scanned, str(tmp_path))
+  assert header(str(tmp_path)) == header(fixture(model_type))
+  assert_trees_equal(hf.load_pretrained(str(tmp_path))[1], params)

@@ -1,0 +1,73 @@
+"""Tests of kda_lm/hf/workdir.py: a Hugging Face checkpoint imported into a
+run directory trains, generates and exports back."""
+
+import os
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from configs import ling3
+from data import tokenizer as tokenizer_lib
+from kda_lm import hf, testing
+from kda_lm.checkpoint import state as state_lib
+from kda_lm.hf import workdir as hf_workdir
+from kda_lm.infer import decoding, generate
+from kda_lm.train import loop as train_loop
+
+FIXTURE = os.path.join(testing.REPO, "tests", "testdata", "hf",
+                       "bailing_hybrid")
+
+# Tiny shapes: compilation dominates (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+def assert_same_tree(got, want, what):
+  assert jax.tree.structure(got) == jax.tree.structure(want), what
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    testing.assert_same(a, b, what)
+
+
+def test_import_train_export_import(tmp_path):
+  workdir, out = str(tmp_path / "run"), str(tmp_path / "export")
+  base = testing.tiny_train_config(
+      str(tmp_path / "data"), train__num_steps=5, train__log_every=5,
+      eval__every_steps=0, checkpoint__every_steps=5,
+      checkpoint__async_save=False)
+  hf_workdir.import_checkpoint(FIXTURE, workdir, base)
+  with pytest.raises(ValueError, match="already holds a run"):
+    hf_workdir.import_checkpoint(FIXTURE, workdir, base)
+  _, imported = hf.load_pretrained(FIXTURE)
+  start = state_lib.load_run(workdir)
+  assert start.step == 0
+  assert_same_tree(start.params, imported, "step-0 parameters")
+  # Fine-tuning resumes the imported run (configs/ling3.py:imported=W).
+  state = train_loop.train_and_evaluate(
+      ling3.get_config(f"imported={workdir}"), workdir)
+  assert int(jax.device_get(state.step)) == 5
+  run = hf_workdir.export_checkpoint(workdir, out)
+  assert run.step == 5
+  _, params = hf.load_pretrained(out)
+  assert_same_tree(params, run.params, "re-imported parameters")
+  moved = [np.any(np.asarray(a) != np.asarray(b)) for a, b in zip(
+      jax.tree.leaves(params), jax.tree.leaves(imported), strict=True)]
+  assert any(moved)
+  text = generate.continue_prompt(
+      run, "1 2 3 4", 3, None, sampling=decoding.SamplingConfig())
+  assert len(text.split()) == 3, text
+
+
+def test_generate_encodes_with_an_imported_tokenizer(tmp_path):
+  """A `tokenizer.json` in the workdir (as the import copies it) is the
+  text codec of `generate --prompt`."""
+  tok = tokenizer_lib.train(["hello world, hello there"] * 4, 260)
+  tok.save(str(tmp_path / hf_workdir.TOKENIZER))
+  run = state_lib.Run(str(tmp_path), ml_collections.ConfigDict(
+      {"data": {"name": "delayed_copy"}}), None, 0)
+  codec = generate.text_codec(run)
+  ids = codec.encode("hello world")
+  assert ids == tok.encode("hello world").ids and max(ids) >= 256
+  assert codec.decode(ids) == "hello world"
+  os.remove(tmp_path / hf_workdir.TOKENIZER)
+  assert generate.text_codec(run) is None
