@@ -26,20 +26,28 @@ int32 `inputs`, `targets`, `segment_ids` (1..n per document piece in a row,
 (`data/delayed_copy.py`: `vocab_size`, `delay`, `min_len`, `max_len`,
 `num_train_docs`, `num_eval_docs`, `dataset_seed`; `data/text_files.py`:
 `glob`, `validation_percent`, `tokenizer`, `bpe_vocab_size`,
-`tokenizer_seed`, `tokenizer_path`, `tokenizer_sha256`).
+`tokenizer_seed`, `tokenizer_path`, `tokenizer_sha256`; the corpus sources
+`jsonl`, `parquet` and `tfds`, `data/records.py`: `tokenizer` ("bytes" or
+"hf:PATH"), `text_field`, `validation_percent`, `skip_bad_records`,
+`files`, `validation_files`, `tfds_name`, `tfds_split`,
+`tfds_validation_split`).
 `DataConfig.from_config` reads it once, validated; a new dataset is a module
 with a `Settings` class (and its `resolve(data_dir)`, which builds and
 identifies what the dataset needs besides TFDS, such as a tokenizer) and an
 entry in `DATASETS`.
 Datasets are built on first use, offline, under `data_dir` (None:
-`<workdir>/tfds`).
+`<workdir>/tfds`). The corpus sources build nothing: they read their files
+(or a prepared TFDS dataset) and tokenize in the pipeline
+(`Settings.documents`).
 
 Training stream: the process's shard of the train split (TFDS even split by
-`jax.process_index()/process_count()`), shuffled with `seed` (a new order each
+`jax.process_index()/process_count()`; the corpus sources: every
+`process_count`-th record), shuffled with `seed` (a new order each
 epoch, the same sequence for the same seed), repeated forever, cut into
 row-sized pieces that are shuffled again (`piece_shuffle_buffer`, so that
 consecutive rows come from different documents), packed, batched and
-prefetched. Everything is a tf.data graph (no Python generators), so the
+prefetched. Everything is a tf.data graph (no Python generators; the corpus
+sources' tokenizing function is a pure Python function inside it), so the
 iterator's position, buffers included, is saved with `tf.train.Checkpoint`.
 The eval stream is the process's shard of the validation split, in file
 order, packed and batched; its last batch is padded with empty rows
@@ -57,7 +65,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from data import delayed_copy, packing, text_files
+from data import delayed_copy, jsonl, packing, parquet, records
+from data import text_files, tfds_source
 from data import tokenizer as tokenizer_lib
 from kda_lm import config as config_lib
 
@@ -65,7 +74,10 @@ from kda_lm import config as config_lib
 # holds its `config.data` fields, defaults and validation, its vocabulary,
 # features, mean document length and TFDS builder config.
 DATASETS = {"delayed_copy": delayed_copy.Settings,
-            "text_files": text_files.Settings}
+            "text_files": text_files.Settings,
+            "jsonl": jsonl.Settings,
+            "parquet": parquet.Settings,
+            "tfds": tfds_source.Settings}
 _PREFETCH_BATCHES = 2
 _MAX_WINDOW_DOCS = 1 << 16
 
@@ -213,7 +225,8 @@ def resolve_config(config: ml_collections.ConfigDict, workdir: str,
   For BPE `text_files` runs, builds the tokenizer if needed (once per data
   dir) and sets `config.data.tokenizer_path` and `tokenizer_sha256`, so that
   the run's `config.json` names the exact tokenizer. When the path is unset,
-  the one `recorded` by a run being resumed is used.
+  the one `recorded` by a run being resumed is used. For "hf:PATH"
+  tokenizers, sets (checks) `tokenizer_sha256`.
 
   Args:
     config: the run config; not modified.
@@ -229,6 +242,11 @@ def resolve_config(config: ml_collections.ConfigDict, workdir: str,
       from the one given.
   """
   cfg = DataConfig.from_config(config.data)
+  if getattr(cfg.dataset, "hf_path", ""):
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.data.tokenizer_sha256 = cfg.resolve(
+        resolve_data_dir(config.data, workdir)).dataset.tokenizer_sha256
+    return config
   if not getattr(cfg.dataset, "is_bpe", False):
     return config
   config = ml_collections.ConfigDict(config.to_dict())
@@ -250,6 +268,9 @@ def token_bytes(config: Any, data_dir: str) -> np.ndarray:
     As `text_files.Settings.resolve`.
   """
   cfg = DataConfig.from_config(config).resolve(data_dir)
+  if getattr(cfg.dataset, "hf_path", ""):
+    return tokenizer_lib.token_byte_lengths(
+        tokenizer_lib.load_hf(cfg.dataset.hf_path))
   lengths = np.ones(cfg.vocab_size(), np.float32)
   if getattr(cfg.dataset, "is_bpe", False):
     pieces = tokenizer_lib.token_bytes(
@@ -300,15 +321,20 @@ def load_documents(config: Any,
   Returns:
     (documents, info): a dataset of dicts with the dataset's `FEATURES`
     (`tokens` int [L] and, for delayed_copy, `loss_mask` bool [L]), in file
-    order; the TFDS info.
+    order; the TFDS info (the corpus sources: `records.DocumentsInfo`).
 
   Raises:
     ValueError: unknown dataset name or split, bad builder config values.
+    records.BadRecordError: a bad file of a corpus source.
   """
   if split not in ("train", "validation"):
     raise ValueError(f"Unknown split {split!r}; use 'train' or 'validation'.")
   hide_gpus_from_tf()
   cfg = DataConfig.from_config(config).resolve(data_dir)
+  if isinstance(cfg.dataset, records.Settings):
+    return cfg.dataset.documents(split, data_dir=data_dir,
+                                 process_index=process_index,
+                                 process_count=process_count)
   sub_split = tfds.even_splits(split, n=process_count)[process_index]
   tfds.disable_progress_bar()
   documents, info = tfds.load(
@@ -328,9 +354,11 @@ def load_documents(config: Any,
   return documents, info
 
 
-def _options() -> tf.data.Options:
+def _options(cfg: DataConfig) -> tf.data.Options:
   options = tf.data.Options()
   options.deterministic = True
+  if isinstance(cfg.dataset, records.Settings):
+    options.experimental_external_state_policy = records.EXTERNAL_STATE
   return options
 
 
@@ -338,22 +366,46 @@ def _numpy(batch: dict[str, tf.Tensor]) -> dict[str, np.ndarray]:
   return {key: value.numpy() for key, value in batch.items()}
 
 
+def _next(iterator: Iterator[dict[str, tf.Tensor]]) -> dict[str, np.ndarray]:
+  """The next batch; a bad record of a corpus as `records.BadRecordError`."""
+  try:
+    return _numpy(next(iterator))
+  except tf.errors.OpError as e:
+    error = records.translate_error(e)
+    if error is e:
+      raise
+    raise error from None
+
+
 class DataIterator:
   """Iterator of numpy batches whose position can be saved and restored."""
 
   def __init__(self, dataset: tf.data.Dataset, *, vocab_size: int,
-               process_index: int, process_count: int):
+               process_index: int, process_count: int,
+               counts_skipped: bool = False):
     self.dataset = dataset
     self.vocab_size = vocab_size
     self.process_index = process_index
     self.process_count = process_count
+    self.counts_skipped = counts_skipped
     self._iterator = iter(dataset)
 
   def __iter__(self) -> "DataIterator":
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    return _numpy(next(self._iterator))
+    return _next(self._iterator)
+
+  def metrics(self) -> dict[str, float]:
+    """`data/skipped_<kind>` and `data/skipped_records` (their sum): bad
+    records and files skipped so far by this process
+    (`config.data.skip_bad_records`); {} for the other datasets."""
+    if not self.counts_skipped:
+      return {}
+    counts = records.skipped_counts()
+    out = {f"data/skipped_{k}": float(v) for k, v in sorted(counts.items())}
+    out["data/skipped_records"] = float(sum(counts.values()))
+    return out
 
   def _prefix(self, directory: str) -> str:
     return os.path.join(
@@ -398,8 +450,12 @@ class EvalIterable:
     self.vocab_size = vocab_size
 
   def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-    for batch in self.dataset:
-      yield _numpy(batch)
+    iterator = iter(self.dataset)
+    while True:
+      try:
+        yield _next(iterator)
+      except StopIteration:
+        return
 
 
 @dataclasses.dataclass(frozen=True)
@@ -488,13 +544,14 @@ def make_train_iterator(config: Any, *, seed: int | None = None,
   s = _stream(cfg, "train", shuffle_seed=int(cfg.seed if seed is None
                                              else seed), **kwargs)
   dataset = s.rows.batch(s.local_batch, drop_remainder=True).prefetch(
-      _PREFETCH_BATCHES).with_options(_options())
+      _PREFETCH_BATCHES).with_options(_options(cfg))
   logging.info("Train data: %s, seq_len %d, %d rows per process batch, "
                "process %d of %d.", cfg.name, s.seq_len, s.local_batch,
                s.process_index, s.process_count)
-  return DataIterator(dataset, vocab_size=cfg.vocab_size(),
-                      process_index=s.process_index,
-                      process_count=s.process_count)
+  return DataIterator(
+      dataset, vocab_size=cfg.vocab_size(), process_index=s.process_index,
+      process_count=s.process_count,
+      counts_skipped=bool(getattr(cfg.dataset, "skip_bad_records", False)))
 
 
 def _pad_batch(batch: dict[str, tf.Tensor], size: int
@@ -553,5 +610,6 @@ def make_eval_iterator(config: Any, *, num_batches: int | None = None,
              for key, dtype in packing.FEATURES.items()}
     dataset = dataset.concatenate(
         tf.data.Dataset.from_tensors(empty).repeat()).take(num_batches)
-  dataset = dataset.prefetch(_PREFETCH_BATCHES).with_options(_options())
+  dataset = dataset.prefetch(_PREFETCH_BATCHES).with_options(
+      _options(s.cfg))
   return EvalIterable(dataset, vocab_size=s.cfg.vocab_size())
