@@ -95,15 +95,15 @@ class Settings(records.FilesSettings):
     return text
 
   def records(self, split: str, data_dir: str, process_index: int,
-              process_count: int
+              process_count: int, skipped: records.Skipped
               ) -> tuple[tf.data.Dataset, bool, bool]:
     del process_index, process_count  # Sharded by record.
-    paths, hold_out = self.split_files(split)
+    paths, hold_out = self.split_files(split, skipped)
     good = []
     for path in paths:
       if os.path.getsize(path) == 0:
         records.bad("empty_file", path, "the file is empty",
-                    self.skip_bad_records, once=True)
+                    self.skipped(skipped), once=True)
       else:
         good.append(path)
     if not good:

@@ -27,35 +27,35 @@ _TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(),
                pa.large_binary())
 
 
-def row_groups(path: str, text_field: str, skip: bool
-               ) -> list[tuple[int, int]]:
+def row_groups(path: str, text_field: str,
+               skipped: records.Skipped | None) -> list[tuple[int, int]]:
   """The `(row group, first row)` pairs of a file with rows.
 
   Raises:
     records.BadRecordError: not a Parquet file, no (text) column, no rows
-      (without `skip`; with it, the file is counted and left out).
+      (with `skipped`, the file is counted there and left out).
   """
   try:
     metadata = pq.ParquetFile(path)
   except (pa.ArrowException, OSError) as e:
     records.bad("bad_file", path, f"not a readable Parquet file ({e})",
-                skip, once=True)
+                skipped, once=True)
     return []
   schema = metadata.schema_arrow
   num_rows = metadata.metadata.num_rows
   if text_field not in schema.names:
     records.bad("missing_field", path,
                 f"no column {text_field!r} (columns: {schema.names[:8]})",
-                skip, count=num_rows, once=True)
+                skipped, count=num_rows, once=True)
     return []
   if schema.field(text_field).type not in _TEXT_TYPES:
     records.bad("missing_field", path,
                 f"the column {text_field!r} is "
-                f"{schema.field(text_field).type}, not a string", skip,
+                f"{schema.field(text_field).type}, not a string", skipped,
                 count=num_rows, once=True)
     return []
   if num_rows == 0:
-    records.bad("empty_file", path, "the file has no rows", skip, once=True)
+    records.bad("empty_file", path, "the file has no rows", skipped, once=True)
     return []
   out, first = [], 0
   for group in range(metadata.num_row_groups):
@@ -88,13 +88,13 @@ class Settings(records.FilesSettings):
   UNIT = "row"
 
   def records(self, split: str, data_dir: str, process_index: int,
-              process_count: int
+              process_count: int, skipped: records.Skipped
               ) -> tuple[tf.data.Dataset, bool, bool]:
     del data_dir, process_index, process_count  # Sharded by record.
-    paths, hold_out = self.split_files(split)
+    paths, hold_out = self.split_files(split, skipped)
     items = [(path, group, first) for path in paths
              for group, first in row_groups(path, self.text_field,
-                                            self.skip_bad_records)]
+                                            self.skipped(skipped))]
     if not items:
       raise ValueError(f"parquet: no file of the {split} split has rows "
                        f"with a text column {self.text_field!r}.")

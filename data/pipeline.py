@@ -382,12 +382,12 @@ class DataIterator:
 
   def __init__(self, dataset: tf.data.Dataset, *, vocab_size: int,
                process_index: int, process_count: int,
-               counts_skipped: bool = False):
+               skipped: records.Skipped | None = None):
     self.dataset = dataset
     self.vocab_size = vocab_size
     self.process_index = process_index
     self.process_count = process_count
-    self.counts_skipped = counts_skipped
+    self.skipped = skipped
     self._iterator = iter(dataset)
 
   def __iter__(self) -> "DataIterator":
@@ -397,12 +397,12 @@ class DataIterator:
     return _next(self._iterator)
 
   def metrics(self) -> dict[str, float]:
-    """`data/skipped_<kind>` and `data/skipped_records` (their sum): bad
-    records and files skipped so far by this process
-    (`config.data.skip_bad_records`); {} for the other datasets."""
-    if not self.counts_skipped:
+    """`data/skipped_<kind>` and `data/skipped_records` (their sum): the
+    bad records and files this stream skipped so far (read ahead included;
+    `config.data.skip_bad_records`); {} for the other datasets."""
+    if self.skipped is None:
       return {}
-    counts = records.skipped_counts()
+    counts = self.skipped.counts()
     out = {f"data/skipped_{k}": float(v) for k, v in sorted(counts.items())}
     out["data/skipped_records"] = float(sum(counts.values()))
     return out
@@ -467,6 +467,7 @@ class _Stream:
   local_batch: int
   process_index: int
   process_count: int
+  skipped: records.Skipped | None   # The corpus sources' skipped records.
 
 
 def _stream(config: Any, split: str, *, shuffle_seed: int | None = None,
@@ -520,7 +521,8 @@ def _stream(config: Any, split: str, *, shuffle_seed: int | None = None,
       num_parallel_calls=(tf.data.AUTOTUNE if shuffle_seed is not None
                           else None))
   return _Stream(cfg, rows, seq_len, batch_size // process_count,
-                 process_index, process_count)
+                 process_index, process_count,
+                 getattr(info, "skipped", None))
 
 
 def make_train_iterator(config: Any, *, seed: int | None = None,
@@ -551,7 +553,8 @@ def make_train_iterator(config: Any, *, seed: int | None = None,
   return DataIterator(
       dataset, vocab_size=cfg.vocab_size(), process_index=s.process_index,
       process_count=s.process_count,
-      counts_skipped=bool(getattr(cfg.dataset, "skip_bad_records", False)))
+      skipped=s.skipped if getattr(cfg.dataset, "skip_bad_records",
+                                   False) else None)
 
 
 def _pad_batch(batch: dict[str, tf.Tensor], size: int

@@ -24,8 +24,9 @@ turns them into documents:
 Bad records (malformed JSON, no text field, a text that is not UTF-8) and
 bad files (empty, a glob that matches nothing) raise `BadRecordError`
 naming the file and line (row); with `skip_bad_records=True` they are
-skipped, logged and counted (`skipped_counts`, which the training loop
-reports as `data/skipped_*` metrics).
+skipped, logged and counted per stream (`Skipped`; the training
+iterator's `metrics()`, which the training loop reports as
+`data/skipped_*`).
 
 The tokenizing function is pure (the same records give the same tokens), so
 the iterator's position is saved with `tf.train.Checkpoint` as for the
@@ -57,9 +58,6 @@ _LOGGED_PER_KIND = 10    # Skipped records logged one by one, per kind.
 # (the loaded tokenizer) is not part of the iterator's position.
 EXTERNAL_STATE = tf.data.experimental.ExternalStatePolicy.IGNORE
 
-_skipped = collections.Counter()
-_seen_places = set()   # Files and globs already counted (once each).
-_lock = threading.Lock()
 
 
 class BadRecordError(ValueError):
@@ -67,49 +65,56 @@ class BadRecordError(ValueError):
   line (or row)."""
 
 
-def skipped_counts() -> dict[str, int]:
-  """Bad records and files skipped so far in this process, by kind
+class Skipped:
+  """The bad records and files one stream skipped, by kind
   (`malformed_json`, `missing_field`, `not_utf8`, `empty_file`,
-  `glob_matches_nothing`)."""
-  with _lock:
-    return dict(_skipped)
+  `bad_file`, `glob_matches_nothing`); thread-safe."""
+
+  def __init__(self):
+    self._counts = collections.Counter()
+    self._places = set()
+    self._lock = threading.Lock()
+
+  def add(self, kind: str, where: str, message: str, count: int = 1,
+          once: bool = False) -> None:
+    """Counts (and logs) a skipped record (each time it is read: once per
+    epoch); `once`: a file or glob, counted the first time only."""
+    with self._lock:
+      if once and (kind, where) in self._places:
+        return
+      self._places.add((kind, where))
+      self._counts[kind] += count
+      seen = self._counts[kind]
+    if seen <= _LOGGED_PER_KIND:
+      logging.warning("Skipping a bad record (%s): %s: %s.", kind, where,
+                      message)
+      if seen == _LOGGED_PER_KIND:
+        logging.warning("Further skipped records (%s) are only counted.",
+                        kind)
+
+  def counts(self) -> dict[str, int]:
+    with self._lock:
+      return dict(self._counts)
 
 
-def reset_skipped_counts() -> None:
-  """Zeroes `skipped_counts` (tests)."""
-  with _lock:
-    _skipped.clear()
-    _seen_places.clear()
-
-
-def bad(kind: str, where: str, message: str, skip: bool, count: int = 1,
-        once: bool = False) -> None:
-  """Raises `BadRecordError("<where>: <message>")`, or counts and logs it.
+def bad(kind: str, where: str, message: str, skipped: Skipped | None, *,
+        count: int = 1, once: bool = False) -> None:
+  """Raises `BadRecordError("<where>: <message>")`, or counts it.
 
   Args:
-    kind: the counter (see `skipped_counts`).
+    kind: the kind of problem (see `Skipped`).
     where: the file and line (row), e.g. "/corpus/a.jsonl, line 7".
     message: what is wrong.
-    skip: count and log instead of raising (`config.data.skip_bad_records`).
+    skipped: where to count it (`config.data.skip_bad_records`); None:
+      raise.
     count: records this stands for (a skipped file's).
-    once: count `where` once per process (a file or glob seen by the
-      train and eval streams alike).
+    once: see `Skipped.add`.
   """
-  if not skip:
+  if skipped is None:
     raise BadRecordError(
         f"{where}: {message} (set config.data.skip_bad_records=True to "
         "skip bad records).")
-  with _lock:
-    if once and (kind, where) in _seen_places:
-      return
-    _seen_places.add((kind, where))
-    _skipped[kind] += count
-    seen = _skipped[kind]
-  if seen <= _LOGGED_PER_KIND:
-    logging.warning("Skipping a bad record (%s): %s: %s.", kind, where,
-                    message)
-    if seen == _LOGGED_PER_KIND:
-      logging.warning("Further skipped records (%s) are only counted.", kind)
+  skipped.add(kind, where, message, count=count, once=once)
 
 
 def translate_error(error: tf.errors.OpError) -> Exception:
@@ -120,7 +125,7 @@ def translate_error(error: tf.errors.OpError) -> Exception:
 
 
 class Problem(Exception):
-  """What is wrong with one record: a `skipped_counts` kind and a message
+  """What is wrong with one record: a kind (see `Skipped`) and a message
   (raised by `Settings.text`; the tokenizing function names the place)."""
 
   def __init__(self, kind: str, message: str):
@@ -144,6 +149,7 @@ def utf8(data: bytes) -> str:
 class DocumentsInfo:
   """What the pipeline needs to know of a split besides its documents."""
   mean_length: float   # Mean tokens per document (an estimate).
+  skipped: Skipped     # What the stream skipped so far.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,10 +235,16 @@ class Settings:
     """
     return utf8(record)
 
+  def skipped(self, counter: Skipped) -> Skipped | None:
+    """Where bad records are counted: `counter`, or None (raise) unless
+    `skip_bad_records`."""
+    return counter if self.skip_bad_records else None
+
   def records(self, split: str, data_dir: str, process_index: int,
-              process_count: int
+              process_count: int, skipped: Skipped
               ) -> tuple[tf.data.Dataset, bool, bool]:
-    """The split's records, in a fixed order (see the module docstring).
+    """The split's records, in a fixed order (see the module docstring);
+    bad files are raised or counted in `skipped` (see `skipped`).
 
     Returns:
       (records, hold_out, sharded): the records; whether the validation
@@ -254,8 +266,9 @@ class Settings:
         first ones read to estimate the mean document length.
       ValueError: no training document at all.
     """
+    skipped = Skipped()
     records, hold_out, sharded = self.records(split, data_dir, process_index,
-                                              process_count)
+                                              process_count, skipped)
     if hold_out:
       validation = tf.constant(split == "validation")
       percent = self.validation_percent
@@ -264,10 +277,9 @@ class Settings:
           validation))
     if not sharded:
       records = records.shard(process_count, process_index)
-    documents = encode(records, self, count=True)
+    documents = encode(records, self, skipped)
     sample = [len(d["tokens"]) for d in encode(
-        records.take(_SAMPLE_RECORDS), self, count=False
-    ).as_numpy_iterator()]
+        records.take(_SAMPLE_RECORDS), self, None).as_numpy_iterator()]
     if not sample and split == "train":
       raise ValueError(
           f"The training split of this {type(self).__module__} corpus has "
@@ -276,15 +288,17 @@ class Settings:
           "config.data.text_field and the files (and "
           "config.data.validation_percent).")
     mean = float(np.mean(sample)) if sample else _DEFAULT_MEAN_LENGTH
-    return documents, DocumentsInfo(mean_length=max(mean, 1.0))
+    return documents, DocumentsInfo(mean_length=max(mean, 1.0),
+                                    skipped=skipped)
 
 
 class _Encoder:
   """The tokenizing function: a batch of records -> flat ids and lengths."""
 
-  def __init__(self, settings: Settings, count: bool):
+  def __init__(self, settings: Settings, skipped: Skipped | None):
     self.settings = settings
-    self.count = count
+    self.count = skipped is not None
+    self.skipped = settings.skipped(skipped) if self.count else None
     self.tokenizer = (tokenizer_lib.load_hf(settings.hf_path)
                       if settings.hf_path else None)
 
@@ -309,7 +323,7 @@ class _Encoder:
         if self.count:
           where = (f"{source.decode('utf-8', 'replace')}, "
                    f"{self.settings.UNIT} {int(index)}")
-          bad(e.kind, where, str(e), self.settings.skip_bad_records)
+          bad(e.kind, where, str(e), self.skipped)
     return out
 
   def __call__(self, sources, indices, records, present):
@@ -325,18 +339,19 @@ class _Encoder:
     return flat, lengths
 
 
-def encode(records: tf.data.Dataset, settings: Settings, *, count: bool
-           ) -> tf.data.Dataset:
+def encode(records: tf.data.Dataset, settings: Settings,
+           skipped: Skipped | None) -> tf.data.Dataset:
   """Tokenizes records: one document (`tokens` int32 [L]) per good record.
 
   Args:
     records: dicts `source`, `index`, `record`, `present` (see the module
       docstring).
     settings: the source's settings (tokenizer, bad-record handling).
-    count: count (and, without skipping, raise on) bad records; False for
-      a look-ahead that must not change the counts (bad records dropped).
+    skipped: the stream's count of bad records (raised instead without
+      `skip_bad_records`); None for a look-ahead that neither raises nor
+      counts (bad records dropped).
   """
-  encoder = _Encoder(settings, count)
+  encoder = _Encoder(settings, skipped)
 
   def tokenize(batch):
     flat, lengths = tf.py_function(
@@ -369,14 +384,15 @@ def interleave(items: tf.data.Dataset, read: Callable[..., tf.data.Dataset],
                           deterministic=True)
 
 
-def match_files(globs: str, key: str, skip: bool) -> list[str]:
+def match_files(globs: str, key: str, skipped: Skipped | None
+                ) -> list[str]:
   """The files of a comma-separated list of globs (`**` recurses).
 
   Args:
     globs: e.g. "/corpus/*.jsonl,/more/**/*.jsonl.gz".
     key: the config key, for messages ("files").
-    skip: a glob that matches nothing is skipped (counted) when others
-      match, instead of raising.
+    skipped: a glob that matches nothing is counted there when others
+      match; None: raised.
 
   Returns:
     The matching files: each glob's sorted, in the order of the globs,
@@ -397,7 +413,7 @@ def match_files(globs: str, key: str, skip: bool) -> list[str]:
                    if os.path.isfile(p))
     if not paths:
       bad("glob_matches_nothing", f"config.data.{key}",
-          f"the glob {pattern!r} matches no file", skip, once=True)
+          f"the glob {pattern!r} matches no file", skipped, once=True)
     out += [p for p in paths if p not in seen]
     seen.update(paths)
   if not out:
@@ -414,15 +430,16 @@ class FilesSettings(Settings):
   # `validation_percent` of the records of `files` by hash.
   validation_files: str = ""
 
-  def split_files(self, split: str) -> tuple[list[str], bool]:
+  def split_files(self, split: str, skipped: Skipped
+                  ) -> tuple[list[str], bool]:
     """The files of a split and whether the hash hold-out applies.
 
     Raises:
       ValueError, BadRecordError: as `match_files`.
     """
-    if self.validation_files:
-      if split == "validation":
-        return match_files(self.validation_files, "validation_files",
-                           self.skip_bad_records), False
-      return match_files(self.files, "files", self.skip_bad_records), False
-    return match_files(self.files, "files", self.skip_bad_records), True
+    counter = self.skipped(skipped)
+    if self.validation_files and split == "validation":
+      return match_files(self.validation_files, "validation_files",
+                         counter), False
+    return (match_files(self.files, "files", counter),
+            not self.validation_files)

@@ -92,8 +92,9 @@ class Settings(records.Settings):
     return self.tfds_split, not named
 
   def records(self, split: str, data_dir: str, process_index: int,
-              process_count: int
+              process_count: int, skipped: records.Skipped
               ) -> tuple[tf.data.Dataset, bool, bool]:
+    del skipped  # Bad records only; counted by the tokenizing function.
     builder = self.builder(data_dir)
     name, hold_out = self._split(split, builder)
     part = tfds.even_splits(name, n=process_count)[process_index]

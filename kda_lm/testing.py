@@ -438,6 +438,40 @@ def write_text_corpus(root: str, num_files: int = 8) -> dict[str, str]:
   return out
 
 
+def corpus_texts(num: int, seed: int = 0) -> list[str]:
+  """`num` distinct documents for the corpus-source tests: 1 to ~150
+  characters of ASCII, accents, CJK, an emoji, newlines, tabs, quotes and
+  backslashes (what JSON escapes), each ending in its index."""
+  rng = np.random.default_rng(seed)
+  words = ["def", "x", "café", "naïve", "名前", "データ", "🐍", "\n", "\t",
+           '"q"', "\\", "a\r\nb", "   ", "{}", "[1, 2]"]
+  return ["".join(rng.choice(words, int(rng.integers(0, 24))).tolist())
+          + f" #{i}" for i in range(num)]
+
+
+def write_hf_tokenizer(path: str, texts: Sequence[str],
+                       vocab_size: int = 320) -> str:
+  """Writes a released-model-like `tokenizer.json`: byte-level BPE learnt on
+  `texts`, special tokens `<s>` (0) and `</s>` (1), and a template that puts
+  `<s>` in front of every text. Returns `path`."""
+  # Not at the top: most users of this module do not need tokenizers.
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  from tokenizers import decoders, models, pre_tokenizers, processors  # pylint: disable=g-import-not-at-top
+  from tokenizers import trainers  # pylint: disable=g-import-not-at-top
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(texts, trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False))
+  tok.post_processor = processors.TemplateProcessing(
+      single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tok.save(path)
+  return path
+
+
 def piece_index(documents: Iterable[np.ndarray], seq_len: int
                 ) -> dict[bytes, set[tuple[int, int, int]]]:
   """Maps each piece's input tokens to its `(document, piece, pieces)`.
