@@ -43,6 +43,9 @@ def row_groups(path: str, text_field: str,
     return []
   schema = metadata.schema_arrow
   num_rows = metadata.metadata.num_rows
+  if num_rows == 0:
+    records.bad("empty_file", path, "the file has no rows", skipped, once=True)
+    return []
   if text_field not in schema.names:
     records.bad("missing_field", path,
                 f"no column {text_field!r} (columns: {schema.names[:8]})",
@@ -53,9 +56,6 @@ def row_groups(path: str, text_field: str,
                 f"the column {text_field!r} is "
                 f"{schema.field(text_field).type}, not a string", skipped,
                 count=num_rows, once=True)
-    return []
-  if num_rows == 0:
-    records.bad("empty_file", path, "the file has no rows", skipped, once=True)
     return []
   out, first = [], 0
   for group in range(metadata.num_row_groups):
@@ -107,7 +107,8 @@ class Settings(records.FilesSettings):
       present = tf.ensure_shape(present, [None])
       index = first + tf.range(tf.size(texts, out_type=tf.int64))
       return tf.data.Dataset.from_tensor_slices(
-          records.record(path, index, texts, present))
+          records.record(tf.fill(tf.shape(texts), path), index, texts,
+                         present))
 
     dataset = tf.data.Dataset.from_tensor_slices((
         [i[0] for i in items], np.asarray([i[1] for i in items], np.int64),

@@ -66,10 +66,10 @@ class Settings(records.Settings):
           f"The TFDS dataset {self.tfds_name!r} has no feature "
           f"{self.text_field!r} (config.data.text_field); it has "
           f"{sorted(features.keys())}.")
-    if features[self.text_field].dtype != tf.string:
+    if features[self.text_field].tf_dtype != tf.string:
       raise ValueError(
           f"The feature {self.text_field!r} of {self.tfds_name!r} is "
-          f"{features[self.text_field].dtype.name}, not text.")
+          f"{features[self.text_field].tf_dtype.name}, not text.")
     return builder
 
   def _split(self, split: str, builder: tfds.core.DatasetBuilder
@@ -77,14 +77,15 @@ class Settings(records.Settings):
     """The TFDS split to read and whether the hold-out applies."""
     named = self.tfds_validation_split or (
         "validation" if "validation" in builder.info.splits else "")
-    if named and named not in builder.info.splits:
+    if named and named not in builder.info.splits and "[" not in named:
       raise ValueError(
           f"The TFDS dataset {self.tfds_name!r} has no split {named!r} "
           f"(config.data.tfds_validation_split); it has "
           f"{sorted(builder.info.splits)}.")
     if split == "validation" and named:
       return named, False
-    if self.tfds_split not in builder.info.splits:
+    if self.tfds_split not in builder.info.splits and (
+        "[" not in self.tfds_split):
       raise ValueError(
           f"The TFDS dataset {self.tfds_name!r} has no split "
           f"{self.tfds_split!r} (config.data.tfds_split); it has "
