@@ -366,17 +366,6 @@ def _numpy(batch: dict[str, tf.Tensor]) -> dict[str, np.ndarray]:
   return {key: value.numpy() for key, value in batch.items()}
 
 
-def _next(iterator: Iterator[dict[str, tf.Tensor]]) -> dict[str, np.ndarray]:
-  """The next batch; a bad record of a corpus as `records.BadRecordError`."""
-  try:
-    return _numpy(next(iterator))
-  except tf.errors.OpError as e:
-    error = records.translate_error(e)
-    if error is e:
-      raise
-    raise error from None
-
-
 class DataIterator:
   """Iterator of numpy batches whose position can be saved and restored."""
 
@@ -394,18 +383,13 @@ class DataIterator:
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    return _next(self._iterator)
+    with records.named_bad_records():
+      return _numpy(next(self._iterator))
 
   def metrics(self) -> dict[str, float]:
-    """`data/skipped_<kind>` and `data/skipped_records` (their sum): the
-    bad records and files this stream skipped so far (read ahead included;
-    `config.data.skip_bad_records`); {} for the other datasets."""
-    if self.skipped is None:
-      return {}
-    counts = self.skipped.counts()
-    out = {f"data/skipped_{k}": float(v) for k, v in sorted(counts.items())}
-    out["data/skipped_records"] = float(sum(counts.values()))
-    return out
+    """The bad records skipped so far (`records.Skipped.metrics`); {} when
+    none are skipped (`config.data.skip_bad_records`)."""
+    return self.skipped.metrics() if self.skipped else {}
 
   def _prefix(self, directory: str) -> str:
     return os.path.join(
@@ -450,12 +434,9 @@ class EvalIterable:
     self.vocab_size = vocab_size
 
   def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-    iterator = iter(self.dataset)
-    while True:
-      try:
-        yield _next(iterator)
-      except StopIteration:
-        return
+    with records.named_bad_records():
+      for batch in self.dataset:
+        yield _numpy(batch)
 
 
 @dataclasses.dataclass(frozen=True)

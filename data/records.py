@@ -35,6 +35,7 @@ state (`EXTERNAL_STATE`).
 """
 
 import collections
+import contextlib
 import dataclasses
 import glob as glob_lib
 import os
@@ -96,6 +97,14 @@ class Skipped:
     with self._lock:
       return dict(self._counts)
 
+  def metrics(self) -> dict[str, float]:
+    """`data/skipped_<kind>` and `data/skipped_records` (their sum), for
+    the training loop's metrics (read ahead included)."""
+    counts = self.counts()
+    out = {f"data/skipped_{k}": float(v) for k, v in sorted(counts.items())}
+    out["data/skipped_records"] = float(sum(counts.values()))
+    return out
+
 
 def bad(kind: str, where: str, message: str, skipped: Skipped | None, *,
         count: int = 1, once: bool = False) -> None:
@@ -117,11 +126,17 @@ def bad(kind: str, where: str, message: str, skipped: Skipped | None, *,
   skipped.add(kind, where, message, count=count, once=once)
 
 
-def translate_error(error: tf.errors.OpError) -> Exception:
-  """A `BadRecordError` raised inside the pipeline, as the original error
-  (tf.data wraps it); any other error unchanged."""
-  match = re.search(r"BadRecordError: (.*)", str(error.message))
-  return BadRecordError(match.group(1)) if match else error
+@contextlib.contextmanager
+def named_bad_records():
+  """Re-raises a `BadRecordError` raised inside a tf.data pipeline (which
+  wraps it in a `tf.errors.OpError`) as itself."""
+  try:
+    yield
+  except tf.errors.OpError as e:
+    match = re.search(r"BadRecordError: (.*)", str(e.message))
+    if not match:
+      raise
+    raise BadRecordError(match.group(1)) from None
 
 
 class Problem(Exception):
