@@ -26,19 +26,16 @@ int32 `inputs`, `targets`, `segment_ids` (1..n per document piece in a row,
 (`data/delayed_copy.py`: `vocab_size`, `delay`, `min_len`, `max_len`,
 `num_train_docs`, `num_eval_docs`, `dataset_seed`; `data/text_files.py`:
 `glob`, `validation_percent`, `tokenizer`, `bpe_vocab_size`,
-`tokenizer_seed`, `tokenizer_path`, `tokenizer_sha256`; the corpus sources
-`jsonl`, `parquet` and `tfds`, `data/records.py`: `tokenizer` ("bytes" or
-"hf:PATH"), `text_field`, `validation_percent`, `skip_bad_records`,
-`files`, `validation_files`, `tfds_name`, `tfds_split`,
-`tfds_validation_split`).
+`tokenizer_seed`, `tokenizer_path`, `tokenizer_sha256`; `jsonl`, `parquet`,
+`tfds` (`data/records.py`): `tokenizer` ("bytes"/"hf:PATH"), `text_field`,
+`skip_bad_records`, `files`, `validation_files`, `tfds_*`).
 `DataConfig.from_config` reads it once, validated; a new dataset is a module
 with a `Settings` class (and its `resolve(data_dir)`, which builds and
 identifies what the dataset needs besides TFDS, such as a tokenizer) and an
 entry in `DATASETS`.
 Datasets are built on first use, offline, under `data_dir` (None:
-`<workdir>/tfds`). The corpus sources build nothing: they read their files
-(or a prepared TFDS dataset) and tokenize in the pipeline
-(`Settings.documents`).
+`<workdir>/tfds`); the corpus sources read files and tokenize in the
+pipeline instead.
 
 Training stream: the process's shard of the train split (TFDS even split by
 `jax.process_index()/process_count()`; the corpus sources: every
@@ -46,9 +43,9 @@ Training stream: the process's shard of the train split (TFDS even split by
 epoch, the same sequence for the same seed), repeated forever, cut into
 row-sized pieces that are shuffled again (`piece_shuffle_buffer`, so that
 consecutive rows come from different documents), packed, batched and
-prefetched. Everything is a tf.data graph (no Python generators; the corpus
-sources' tokenizing function is a pure Python function inside it), so the
-iterator's position, buffers included, is saved with `tf.train.Checkpoint`.
+prefetched. Everything is a tf.data graph (no Python generators; only pure
+functions, the corpus sources' tokenizer), so the iterator's position,
+buffers included, is saved with `tf.train.Checkpoint`.
 The eval stream is the process's shard of the validation split, in file
 order, packed and batched; its last batch is padded with empty rows
 (`loss_mask` 0), and `num_batches` pads or cuts it to a fixed number of
@@ -65,8 +62,15 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from data import delayed_copy, jsonl, packing, parquet, records
-from data import text_files, tfds_source
+from data import (
+  delayed_copy,
+  jsonl,
+  packing,
+  parquet,
+  records,
+  text_files,
+  tfds_source,
+)
 from data import tokenizer as tokenizer_lib
 from kda_lm import config as config_lib
 
@@ -225,8 +229,7 @@ def resolve_config(config: ml_collections.ConfigDict, workdir: str,
   For BPE `text_files` runs, builds the tokenizer if needed (once per data
   dir) and sets `config.data.tokenizer_path` and `tokenizer_sha256`, so that
   the run's `config.json` names the exact tokenizer. When the path is unset,
-  the one `recorded` by a run being resumed is used. For "hf:PATH"
-  tokenizers, sets (checks) `tokenizer_sha256`.
+  the one `recorded` by a run being resumed is used ("hf:PATH": the SHA-256).
 
   Args:
     config: the run config; not modified.
@@ -242,14 +245,14 @@ def resolve_config(config: ml_collections.ConfigDict, workdir: str,
       from the one given.
   """
   cfg = DataConfig.from_config(config.data)
-  if getattr(cfg.dataset, "hf_path", ""):
-    config = ml_collections.ConfigDict(config.to_dict())
+  hf = bool(getattr(cfg.dataset, "hf_path", ""))
+  if not (hf or getattr(cfg.dataset, "is_bpe", False)):
+    return config
+  config = ml_collections.ConfigDict(config.to_dict())
+  if hf:
     config.data.tokenizer_sha256 = cfg.resolve(
         resolve_data_dir(config.data, workdir)).dataset.tokenizer_sha256
     return config
-  if not getattr(cfg.dataset, "is_bpe", False):
-    return config
-  config = ml_collections.ConfigDict(config.to_dict())
   if not config.data.get("tokenizer_path"):
     config.data.tokenizer_path = (
         (recorded or {}).get("data", {}).get("tokenizer_path") or "")

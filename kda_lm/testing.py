@@ -456,16 +456,15 @@ def write_hf_tokenizer(path: str, texts: Sequence[str],
   `<s>` in front of every text. Returns `path`."""
   # Not at the top: most users of this module do not need tokenizers.
   import tokenizers  # pylint: disable=g-import-not-at-top
-  from tokenizers import decoders, models, pre_tokenizers, processors  # pylint: disable=g-import-not-at-top
-  from tokenizers import trainers  # pylint: disable=g-import-not-at-top
-  tok = tokenizers.Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  tok.train_from_iterator(texts, trainers.BpeTrainer(
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(
+      add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  tok.train_from_iterator(texts, tokenizers.trainers.BpeTrainer(
       vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
       show_progress=False))
-  tok.post_processor = processors.TemplateProcessing(
+  tok.post_processor = tokenizers.processors.TemplateProcessing(
       single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tok.save(path)

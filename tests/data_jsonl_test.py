@@ -164,8 +164,8 @@ _BAD = [
     (b"{not json\n", "malformed_json", "line 2: malformed JSON"),
     (b'{"title": "x"}\n', "missing_field", "line 2: no text field 'text'"),
     (b'{"text": 3}\n', "missing_field", "line 2: the field 'text' is a JSON"),
-    (b'{"text": "caf\xe9 au lait"}\n', "not_utf8", "line 2: the text is not valid"),
-    (b'{"text": "\\udc80"}\n', "not_utf8", "line 2: the text is not valid"),
+    (b'{"text": "caf\xe9 au lait"}\n', "not_utf8", "line 2: the text is not"),
+    (b'{"text": "\\udc80"}\n', "not_utf8", "line 2: the text is not"),
 ]
 
 

@@ -97,8 +97,8 @@ def test_bad_rows_and_files(tmp_path):
   ok = _write(tmp_path / "ok.parquet", good)
   (tmp_path / "junk.parquet").write_bytes(b"not parquet")
   files = [
-      (_write(tmp_path / "empty.parquet", [], type_=pa.string()), "the file has no rows",
-       "empty_file", 1),
+      (_write(tmp_path / "empty.parquet", [], type_=pa.string()),
+       "the file has no rows", "empty_file", 1),
       (_write(tmp_path / "body.parquet", good[:4], column="body"),
        "no column 'text'", "missing_field", 4),
       (str(tmp_path / "junk.parquet"), "not a readable Parquet file",

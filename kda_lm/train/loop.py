@@ -330,7 +330,8 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
       continue
     run.check_finite(window.fetch())
     if do_log and window.has_rows():
-      run.output.train_row(step, window.row())
+      run.output.train_row(step, {**window.row(),
+                                  **run.train_it.metrics()})
       window.reset()
     with window.paused():
       stop = do_eval and run.evaluate(step, state)
