@@ -34,8 +34,7 @@ with a `Settings` class (and its `resolve(data_dir)`, which builds and
 identifies what the dataset needs besides TFDS, such as a tokenizer) and an
 entry in `DATASETS`.
 Datasets are built on first use, offline, under `data_dir` (None:
-`<workdir>/tfds`); the corpus sources read files and tokenize in the
-pipeline instead.
+`<workdir>/tfds`) (the corpus sources: read and tokenized in the pipeline).
 
 Training stream: the process's shard of the train split (TFDS even split by
 `jax.process_index()/process_count()`; the corpus sources: every
@@ -390,8 +389,7 @@ class DataIterator:
       return _numpy(next(self._iterator))
 
   def metrics(self) -> dict[str, float]:
-    """The bad records skipped so far (`records.Skipped.metrics`); {} when
-    none are skipped (`config.data.skip_bad_records`)."""
+    """`records.Skipped.metrics` (with `config.data.skip_bad_records`)."""
     return self.skipped.metrics() if self.skipped else {}
 
   def _prefix(self, directory: str) -> str:
