@@ -169,55 +169,64 @@ _BAD = [
 ]
 
 
+def _documents(config, data_dir):
+  documents, info = pipeline.load_documents(config, "train",
+                                            data_dir=data_dir)
+  with records.named_bad_records():   # As the pipeline's iterators do.
+    return [bytes(d["tokens"].astype(np.uint8)).decode()
+            for d in documents.as_numpy_iterator()], info.skipped
+
+
 @pytest.mark.parametrize("line,kind,message", _BAD)
 def test_a_bad_record_is_named_or_skipped_and_counted(tmp_path, line, kind,
                                                       message):
   assert not _held_out_line(line)   # In the training split.
-  good = [_line(f"document {i} " * 3).encode() for i in range(40)]
+  texts = [f"document {i} " * 3 for i in range(40)]
+  good = [_line(t).encode() for t in texts]
   path = _write(tmp_path / "bad.jsonl", good[:1] + [line] + good[1:])
-  kwargs = dict(data_dir=str(tmp_path), process_index=0, process_count=1)
   config = _config(path, validation_percent=1)
-  it = pipeline.make_train_iterator(config, **kwargs)
   with pytest.raises(records.BadRecordError, match=message) as error:
-    next(it)
+    _documents(config, str(tmp_path))
   assert path in str(error.value)
-  assert it.metrics() == {}
-  it = pipeline.make_train_iterator(
-      _config(path, validation_percent=1, skip_bad_records=True), **kwargs)
-  next(it)
-  count = it.skipped.counts()[kind]    # Once per epoch read so far.
-  assert count >= 1
-  assert it.metrics() == {f"data/skipped_{kind}": count,
-                          "data/skipped_records": count}
+  config.skip_bad_records = True
+  documents, skipped = _documents(config, str(tmp_path))
+  assert documents == [t for t in texts if not _held_out(t, 1)]
+  assert skipped.counts() == {kind: 1}
 
 
 def test_bad_files_and_globs(tmp_path):
-  good = _write(tmp_path / "good.jsonl",
-                [_line(f"document {i}").encode() for i in range(20)])
+  texts = [f"document {i}" for i in range(20)]
+  good = _write(tmp_path / "good.jsonl", [_line(t).encode() for t in texts])
   empty = _write(tmp_path / "empty.jsonl", [])
-  kwargs = dict(data_dir=str(tmp_path), process_index=0, process_count=1)
+  data_dir = str(tmp_path)
   none = str(tmp_path / "none" / "*.jsonl")
   cases = [(f"{good},{empty}", "empty.jsonl: the file is empty",
             "empty_file"),
            (f"{good},{none}", "matches no file", "glob_matches_nothing")]
   for files, message, kind in cases:
     with pytest.raises(records.BadRecordError, match=message):
-      pipeline.make_train_iterator(_config(files), **kwargs)
-    it = pipeline.make_train_iterator(
-        _config(files, skip_bad_records=True), **kwargs)
-    for _ in range(30):   # Several epochs: the file is counted once.
-      next(it)
-    assert it.skipped.counts() == {kind: 1}
-  with pytest.raises(ValueError, match="matches no file"):
-    pipeline.make_train_iterator(_config(none, skip_bad_records=True),
-                                 **kwargs)
-  with pytest.raises(ValueError, match="every file of the train split"):
-    pipeline.make_train_iterator(_config(empty, skip_bad_records=True),
-                                 **kwargs)
-  with pytest.raises(ValueError, match="config.data.files is empty"):
-    pipeline.make_train_iterator(_config(""), **kwargs)
-  with pytest.raises(ValueError, match="no document among"):
-    pipeline.make_train_iterator(
-        _config(good, text_field="body", skip_bad_records=True), **kwargs)
-  with pytest.raises(ValueError, match="'bytes' or 'hf:PATH'"):
-    pipeline.make_train_iterator(_config(good, tokenizer="bpe"), **kwargs)
+      _documents(_config(files), data_dir)
+    documents, skipped = _documents(_config(files, skip_bad_records=True),
+                                    data_dir)
+    assert sorted(documents) == sorted(
+        t for t in texts if not _held_out(t))
+    assert skipped.counts() == {kind: 1}
+  # The training iterator reports its stream's count as metrics, a file
+  # once however many epochs are read.
+  it = pipeline.make_train_iterator(
+      _config(f"{good},{empty}", skip_bad_records=True), data_dir=data_dir,
+      process_index=0, process_count=1)
+  for _ in range(6):
+    next(it)
+  assert it.metrics() == {"data/skipped_empty_file": 1.0,
+                          "data/skipped_records": 1.0}
+  cases = [(_config(none, skip_bad_records=True), "matches no file"),
+           (_config(empty, skip_bad_records=True),
+            "every file of the train split"),
+           (_config(""), "config.data.files is empty"),
+           (_config(good, text_field="body", skip_bad_records=True),
+            "no document among"),
+           (_config(good, tokenizer="bpe"), "'bytes' or 'hf:PATH'")]
+  for config, message in cases:
+    with pytest.raises(ValueError, match=message):
+      _documents(config, data_dir)
