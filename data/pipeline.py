@@ -304,12 +304,8 @@ def _process(process_index: int | None, process_count: int | None
   return process_index, process_count
 
 
-def load_documents(config: Any,
-                   split: str,
-                   *,
-                   data_dir: str,
-                   process_index: int = 0,
-                   process_count: int = 1
+def load_documents(config: Any, split: str, *, data_dir: str,
+                   process_index: int = 0, process_count: int = 1
                    ) -> tuple[tf.data.Dataset, tfds.core.DatasetInfo]:
   """Builds the dataset if needed and loads this process's documents.
 
@@ -351,15 +347,16 @@ def load_documents(config: Any,
       # No in-memory cache: it would be written into iterator checkpoints.
       read_config=tfds.ReadConfig(try_autocache=False),
   )
+  if getattr(cfg.dataset, "hf_path", ""):   # text_files, "hf:PATH".
+    return records.tokenize_files(documents, cfg.dataset.tokenizer), info
   features = cfg.dataset.FEATURES
-  documents = documents.map(lambda d: {k: d[k] for k in features})
-  return documents, info
+  return documents.map(lambda d: {k: d[k] for k in features}), info
 
 
 def _options(cfg: DataConfig) -> tf.data.Options:
   options = tf.data.Options()
   options.deterministic = True
-  if isinstance(cfg.dataset, records.Settings):
+  if getattr(cfg.dataset, "tokenizes_in_pipeline", False):
     options.experimental_external_state_policy = records.EXTERNAL_STATE
   return options
 

@@ -221,26 +221,18 @@ class Settings:
     del split
     return info.mean_length
 
-  def resolve(self, data_dir: str) -> "Settings":
-    """These settings with the tokenizer's checksum filled in (hf).
+  @property
+  def tokenizes_in_pipeline(self) -> bool:
+    return True
 
-    Raises:
-      FileNotFoundError: no tokenizer file.
-      text_files.TokenizerChangedError: its SHA-256 differs from
-        `tokenizer_sha256`.
-    """
+  def resolve(self, data_dir: str) -> "Settings":
+    """These settings with the tokenizer's checksum filled in (hf; see
+    `text_files.check_hf`)."""
     del data_dir
     if not self.hf_path:
       return self
-    tokenizer_lib.load_hf(self.hf_path)
-    digest = tokenizer_lib.sha256(self.hf_path)
-    if self.tokenizer_sha256 and digest != self.tokenizer_sha256:
-      raise text_files.TokenizerChangedError(
-          f"The tokenizer {self.hf_path} has SHA-256 {digest}, but the "
-          f"config records {self.tokenizer_sha256} "
-          "(config.data.tokenizer_sha256): the file changed since the run "
-          "started. Restore it, or start a new run (another --workdir).")
-    return dataclasses.replace(self, tokenizer_sha256=digest)
+    return dataclasses.replace(self, tokenizer_sha256=text_files.check_hf(
+        self.hf_path, self.tokenizer_sha256))
 
   def text(self, record: bytes) -> str:
     """The text of a raw record.
@@ -458,3 +450,24 @@ class FilesSettings(Settings):
                          counter), False
     return (match_files(self.files, "files", counter),
             not self.validation_files)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Files(Settings):
+  """A text_files corpus tokenized with "hf:PATH" in the pipeline; a file
+  that is not UTF-8 is left out (logged), as from the BPE dataset."""
+  UNIT = "file"
+
+
+_BYTES = [bytes([b]) for b in range(256)]
+
+
+def tokenize_files(documents: tf.data.Dataset, tokenizer: str
+                   ) -> tf.data.Dataset:
+  """The `text_files` byte documents (`tokens` uint8, `path`) tokenized
+  with a released model's tokenizer ("hf:PATH"): `tokens` int32 [L]."""
+  table = tf.constant(_BYTES)
+  files = documents.map(lambda d: record(d["path"], 0, tf.strings.reduce_join(
+      tf.gather(table, tf.cast(d["tokens"], tf.int32)))))
+  return encode(files, _Files(tokenizer=tokenizer, skip_bad_records=True),
+                Skipped())
