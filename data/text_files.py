@@ -10,8 +10,8 @@ byte-level `tokenizer.json` given as `tokenizer_path`); with
 `tokenizer="hf:PATH"` they are the ids of a released model's
 `tokenizer.json`, applied in the input pipeline to the byte dataset
 (`records.tokenize_files`). No end-of-document
-token is added: a document is its file's tokens, and the packer keeps
-targets inside it. BPE takes text, so files that are not valid UTF-8 are
+token is added (hf: only what its template adds): a document is its file's
+tokens, and the packer keeps targets inside it. BPE takes text, so files that are not valid UTF-8 are
 left out of the BPE dataset (logged; 4 of the standard library's 1790
 files). The default glob is
 the `.py` files of the running Python's standard library (excluding
