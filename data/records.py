@@ -12,8 +12,8 @@ turns them into documents:
    `validation_percent` (of 100 buckets), else to `train`; the split of a
    record depends on nothing else (identical records share a split).
 2. Process sharding: record `k` of the split goes to process
-   `k % process_count`, so processes see disjoint documents that together
-   cover the split.
+   `k % process_count` (`tfds`: its own even split), so processes see
+   disjoint documents that together cover the split.
 3. Tokenization, in batches of `ENCODE_BATCH` records (a Python function in
    the tf.data graph, parallel and deterministic): the text of each record
    (`Settings.text`) becomes its UTF-8 bytes (`tokenizer="bytes"`) or the
@@ -269,9 +269,10 @@ class Settings:
       (documents, info): dicts with int32 `tokens` [L]; the mean length.
 
     Raises:
-      BadRecordError: a bad file, or (no skipping) a bad record among the
-        first ones read to estimate the mean document length.
-      ValueError: no training document at all.
+      BadRecordError: a bad file (without `skip_bad_records`); bad records
+        are raised when the iterator reaches them.
+      ValueError: no files, or no training document among the first
+        records (those read to estimate the mean document length).
     """
     skipped = Skipped()
     records, hold_out, sharded = self.records(split, data_dir, process_index,
