@@ -295,6 +295,13 @@ class Settings:
           f"process {process_index} of {process_count}: check "
           "config.data.text_field and the files (and "
           "config.data.validation_percent).")
+    if not sample:
+      logging.warning(
+          "The validation split of this %s corpus has no document among "
+          "its first %d records for process %d of %d (a small corpus? "
+          "config.data.validation_percent, validation_files).",
+          type(self).__module__, _SAMPLE_RECORDS, process_index,
+          process_count)
     mean = float(np.mean(sample)) if sample else _DEFAULT_MEAN_LENGTH
     return documents, DocumentsInfo(mean_length=max(mean, 1.0),
                                     skipped=skipped)
