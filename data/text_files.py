@@ -9,14 +9,14 @@ training split, built once per data dir under
 byte-level `tokenizer.json` given as `tokenizer_path`); with
 `tokenizer="hf:PATH"` they are the ids of a released model's
 `tokenizer.json`, applied in the input pipeline to the byte dataset
-(`records.tokenize_files`). No end-of-document
-token is added (hf: only what its template adds): a document is its file's
-tokens, and the packer keeps targets inside it. BPE takes text, so files that are not valid UTF-8 are
-left out of the BPE dataset (logged; 4 of the standard library's 1790
-files). The default glob is
-the `.py` files of the running Python's standard library (excluding
-`site-packages`/`dist-packages`), which exist on every machine, so the project
-has a real language-modelling task offline.
+(`records.tokenize_files`). No end-of-document token is added (hf: only
+what its template adds): a document is its file's tokens, and the packer
+keeps targets inside it. BPE takes text, so files that are not valid UTF-8
+are left out of the BPE dataset (logged; 4 of the standard library's 1790
+files), and of the hf documents. The default glob is the `.py` files of
+the running Python's standard library (excluding
+`site-packages`/`dist-packages`), which exist on every machine, so the
+project has a real language-modelling task offline.
 
 Each file goes to `validation` when a hash of its path relative to the glob's
 fixed prefix falls below `validation_percent`, else to `train`: the split of a
