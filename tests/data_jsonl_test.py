@@ -1,9 +1,12 @@
 """Tests of data/jsonl.py (and data/records.py through it): exact documents
-from plain, gzip and zstd JSON Lines, rows, resume, process shards, a
-released model's tokenizer, and every kind of bad input."""
+from plain, gzip and zstd JSON Lines, rows, resume in a new process,
+process shards, a released model's tokenizer, and every kind of bad
+input."""
 
 import gzip
 import json
+import subprocess
+import sys
 
 import ml_collections
 import numpy as np
@@ -106,21 +109,42 @@ def test_eval_rows_are_the_packed_documents(corpus, tmp_path):
       np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
-def test_resume_mid_epoch_is_exact(corpus, tmp_path):
-  root, _ = corpus
-  config = _config(_files(root))
-  kwargs = dict(data_dir=str(tmp_path), process_index=0, process_count=1)
-  it = pipeline.make_train_iterator(config, **kwargs)
-  for _ in range(7):
-    next(it)
-  it.save(str(tmp_path / "ckpt"))
-  expected = [next(it) for _ in range(4)]
-  resumed = pipeline.make_train_iterator(config, **kwargs)
-  resumed.restore(str(tmp_path / "ckpt"))
-  for want in expected:
-    got = next(resumed)
-    for key in want:
-      np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+_SAVE_IN_A_NEW_PROCESS = """
+import sys
+import numpy as np
+from data import pipeline
+config = pipeline.default_config()
+config.update(dict(name="jsonl", files=sys.argv[1], tokenizer=sys.argv[2],
+                   seq_len=32, batch_size=4, shuffle_buffer=16,
+                   piece_shuffle_buffer=16, pack_window_rows=4,
+                   validation_percent=20))
+it = pipeline.make_train_iterator(config, data_dir=sys.argv[3],
+                                  process_index=0, process_count=1)
+for _ in range(5):
+  next(it)
+it.save(sys.argv[4])
+np.savez(sys.argv[5], **next(it))
+"""
+
+
+def test_a_new_process_resumes_a_released_tokenizer_stream(corpus,
+                                                          tmp_path):
+  """Mid-epoch, exactly: the tokenizing function is rebuilt, not saved."""
+  root, texts = corpus
+  path = testing.write_hf_tokenizer(str(tmp_path / "tokenizer.json"),
+                                    texts)
+  args = [_files(root), f"hf:{path}", str(tmp_path), str(tmp_path / "ckpt"),
+          str(tmp_path / "next.npz")]
+  subprocess.run([sys.executable, "-c", _SAVE_IN_A_NEW_PROCESS, *args],
+                 env=testing.subprocess_env(), check=True, timeout=300)
+  it = pipeline.make_train_iterator(
+      _config(_files(root), tokenizer=f"hf:{path}"), data_dir=str(tmp_path),
+      process_index=0, process_count=1)
+  it.restore(str(tmp_path / "ckpt"))
+  got, want = next(it), np.load(tmp_path / "next.npz")
+  assert got["inputs"].max() >= 256   # BPE ids, not bytes.
+  for key in want:
+    np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
 def test_two_processes_see_disjoint_documents_covering_the_split(
