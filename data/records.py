@@ -126,17 +126,27 @@ def bad(kind: str, where: str, message: str, skipped: Skipped | None, *,
   skipped.add(kind, where, message, count=count, once=once)
 
 
+# A bad record in the pipeline's error: `_MARK`, the key of its message in
+# `_messages` (kept as raised: the graph's error escapes quotes), `_MARK`,
+# the message (for readers of the documents without `named_bad_records`).
+_MARK = "<<bad record>>"
+_messages = {}
+_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def named_bad_records():
-  """Re-raises a `BadRecordError` raised inside a tf.data pipeline (which
-  wraps it in a `tf.errors.OpError`) as itself."""
+  """Re-raises a bad record found inside a tf.data pipeline (which raises
+  a `tf.errors.OpError`) as `BadRecordError`."""
   try:
     yield
   except tf.errors.OpError as e:
-    match = re.search(r"BadRecordError: (.*)", str(e.message))
+    match = re.search(f"{_MARK}([0-9]+){_MARK}", str(e.message))
     if not match:
       raise
-    raise BadRecordError(match.group(1)) from None
+    with _lock:
+      message = _messages[int(match.group(1))]
+    raise BadRecordError(message) from None
 
 
 class Problem(Exception):
@@ -342,8 +352,17 @@ class _Encoder:
     return out
 
   def __call__(self, sources, indices, records, present):
-    texts = self.texts(sources.numpy(), indices.numpy(), records.numpy(),
-                       present.numpy())
+    """(flat ids, lengths, error): a bad record is returned as the error
+    message (raised by the graph, without a Python traceback to log)."""
+    try:
+      texts = self.texts(sources.numpy(), indices.numpy(), records.numpy(),
+                         present.numpy())
+    except BadRecordError as e:
+      empty = np.zeros([0], np.int32)
+      with _lock:
+        key = len(_messages)
+        _messages[key] = str(e)
+      return empty, empty, f"{_MARK}{key}{_MARK} {e}"
     if self.tokenizer is None:
       ids = [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
     else:
@@ -351,7 +370,7 @@ class _Encoder:
     lengths = np.asarray([len(i) for i in ids], np.int32)
     flat = (np.concatenate([np.asarray(i, np.int32) for i in ids])
             if ids else np.zeros([0], np.int32))
-    return flat, lengths
+    return flat, lengths, ""
 
 
 def encode(records: tf.data.Dataset, settings: Settings,
@@ -369,9 +388,12 @@ def encode(records: tf.data.Dataset, settings: Settings,
   encoder = _Encoder(settings, skipped)
 
   def tokenize(batch):
-    flat, lengths = tf.py_function(
+    flat, lengths, error = tf.py_function(
         encoder, [batch["source"], batch["index"], batch["record"],
-                  batch["present"]], [tf.int32, tf.int32])
+                  batch["present"]], [tf.int32, tf.int32, tf.string])
+    with tf.control_dependencies([tf.debugging.Assert(
+        tf.equal(error, ""), [error], name="bad_record")]):
+      flat = tf.identity(flat)
     tokens = tf.RaggedTensor.from_row_lengths(
         tf.ensure_shape(flat, [None]), tf.ensure_shape(lengths, [None]))
     return {"tokens": tokens}
