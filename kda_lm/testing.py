@@ -1,6 +1,7 @@
 """Helpers shared by the tests and the benchmarks: the error metric,
-random KDA inputs, a small text corpus and the row-continuity measurement
-of packed streams.
+random KDA inputs, a small text corpus (and documents and a released-model
+style `tokenizer.json` for the corpus-source tests) and the row-continuity
+measurement of packed streams.
 
 Error metric. `rel_err(a, b) = ||a - b||_2 / ||b||_2` over the whole array,
 in float64 (0 when both are exactly zero). A norm-wise error does not blow up
