@@ -26,21 +26,25 @@ int32 `inputs`, `targets`, `segment_ids` (1..n per document piece in a row,
 (`data/delayed_copy.py`: `vocab_size`, `delay`, `min_len`, `max_len`,
 `num_train_docs`, `num_eval_docs`, `dataset_seed`; `data/text_files.py`:
 `glob`, `validation_percent`, `tokenizer`, `bpe_vocab_size`,
-`tokenizer_seed`, `tokenizer_path`, `tokenizer_sha256`).
+`tokenizer_seed`, `tokenizer_path`, `tokenizer_sha256`; `jsonl`, `parquet`,
+`tfds` (`data/records.py`): `tokenizer` ("bytes"/"hf:PATH"), `text_field`,
+`skip_bad_records`, `files`, `validation_files`, `tfds_*`).
 `DataConfig.from_config` reads it once, validated; a new dataset is a module
 with a `Settings` class (and its `resolve(data_dir)`, which builds and
 identifies what the dataset needs besides TFDS, such as a tokenizer) and an
 entry in `DATASETS`.
 Datasets are built on first use, offline, under `data_dir` (None:
-`<workdir>/tfds`).
+`<workdir>/tfds`) (the corpus sources: read and tokenized in the pipeline).
 
 Training stream: the process's shard of the train split (TFDS even split by
-`jax.process_index()/process_count()`), shuffled with `seed` (a new order each
+`jax.process_index()/process_count()`; the corpus sources: every
+`process_count`-th record), shuffled with `seed` (a new order each
 epoch, the same sequence for the same seed), repeated forever, cut into
 row-sized pieces that are shuffled again (`piece_shuffle_buffer`, so that
 consecutive rows come from different documents), packed, batched and
-prefetched. Everything is a tf.data graph (no Python generators), so the
-iterator's position, buffers included, is saved with `tf.train.Checkpoint`.
+prefetched. Everything is a tf.data graph (no Python generators; only pure
+functions, the corpus sources' tokenizer), so the iterator's position,
+buffers included, is saved with `tf.train.Checkpoint`.
 The eval stream is the process's shard of the validation split, in file
 order, packed and batched; its last batch is padded with empty rows
 (`loss_mask` 0), and `num_batches` pads or cuts it to a fixed number of
@@ -57,7 +61,15 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from data import delayed_copy, packing, text_files
+from data import (
+  delayed_copy,
+  jsonl,
+  packing,
+  parquet,
+  records,
+  text_files,
+  tfds_source,
+)
 from data import tokenizer as tokenizer_lib
 from kda_lm import config as config_lib
 
@@ -65,7 +77,10 @@ from kda_lm import config as config_lib
 # holds its `config.data` fields, defaults and validation, its vocabulary,
 # features, mean document length and TFDS builder config.
 DATASETS = {"delayed_copy": delayed_copy.Settings,
-            "text_files": text_files.Settings}
+            "text_files": text_files.Settings,
+            "jsonl": jsonl.Settings,
+            "parquet": parquet.Settings,
+            "tfds": tfds_source.Settings}
 _PREFETCH_BATCHES = 2
 _MAX_WINDOW_DOCS = 1 << 16
 
@@ -213,7 +228,7 @@ def resolve_config(config: ml_collections.ConfigDict, workdir: str,
   For BPE `text_files` runs, builds the tokenizer if needed (once per data
   dir) and sets `config.data.tokenizer_path` and `tokenizer_sha256`, so that
   the run's `config.json` names the exact tokenizer. When the path is unset,
-  the one `recorded` by a run being resumed is used.
+  the one `recorded` by a run being resumed is used ("hf:PATH": the SHA-256).
 
   Args:
     config: the run config; not modified.
@@ -229,9 +244,14 @@ def resolve_config(config: ml_collections.ConfigDict, workdir: str,
       from the one given.
   """
   cfg = DataConfig.from_config(config.data)
-  if not getattr(cfg.dataset, "is_bpe", False):
+  hf = bool(getattr(cfg.dataset, "hf_path", ""))
+  if not (hf or getattr(cfg.dataset, "is_bpe", False)):
     return config
   config = ml_collections.ConfigDict(config.to_dict())
+  if hf:
+    config.data.tokenizer_sha256 = cfg.resolve(
+        resolve_data_dir(config.data, workdir)).dataset.tokenizer_sha256
+    return config
   if not config.data.get("tokenizer_path"):
     config.data.tokenizer_path = (
         (recorded or {}).get("data", {}).get("tokenizer_path") or "")
@@ -250,6 +270,9 @@ def token_bytes(config: Any, data_dir: str) -> np.ndarray:
     As `text_files.Settings.resolve`.
   """
   cfg = DataConfig.from_config(config).resolve(data_dir)
+  if getattr(cfg.dataset, "hf_path", ""):
+    return tokenizer_lib.token_byte_lengths(
+        tokenizer_lib.load_hf(cfg.dataset.hf_path))
   lengths = np.ones(cfg.vocab_size(), np.float32)
   if getattr(cfg.dataset, "is_bpe", False):
     pieces = tokenizer_lib.token_bytes(
@@ -281,12 +304,8 @@ def _process(process_index: int | None, process_count: int | None
   return process_index, process_count
 
 
-def load_documents(config: Any,
-                   split: str,
-                   *,
-                   data_dir: str,
-                   process_index: int = 0,
-                   process_count: int = 1
+def load_documents(config: Any, split: str, *, data_dir: str,
+                   process_index: int = 0, process_count: int = 1
                    ) -> tuple[tf.data.Dataset, tfds.core.DatasetInfo]:
   """Builds the dataset if needed and loads this process's documents.
 
@@ -300,15 +319,20 @@ def load_documents(config: Any,
   Returns:
     (documents, info): a dataset of dicts with the dataset's `FEATURES`
     (`tokens` int [L] and, for delayed_copy, `loss_mask` bool [L]), in file
-    order; the TFDS info.
+    order; the TFDS info (the corpus sources: `records.DocumentsInfo`).
 
   Raises:
     ValueError: unknown dataset name or split, bad builder config values.
+    records.BadRecordError: a bad file of a corpus source.
   """
   if split not in ("train", "validation"):
     raise ValueError(f"Unknown split {split!r}; use 'train' or 'validation'.")
   hide_gpus_from_tf()
   cfg = DataConfig.from_config(config).resolve(data_dir)
+  if isinstance(cfg.dataset, records.Settings):
+    return cfg.dataset.documents(split, data_dir=data_dir,
+                                 process_index=process_index,
+                                 process_count=process_count)
   sub_split = tfds.even_splits(split, n=process_count)[process_index]
   tfds.disable_progress_bar()
   documents, info = tfds.load(
@@ -323,14 +347,17 @@ def load_documents(config: Any,
       # No in-memory cache: it would be written into iterator checkpoints.
       read_config=tfds.ReadConfig(try_autocache=False),
   )
+  if getattr(cfg.dataset, "hf_path", ""):   # text_files, "hf:PATH".
+    return records.tokenize_files(documents, cfg.dataset.tokenizer), info
   features = cfg.dataset.FEATURES
-  documents = documents.map(lambda d: {k: d[k] for k in features})
-  return documents, info
+  return documents.map(lambda d: {k: d[k] for k in features}), info
 
 
-def _options() -> tf.data.Options:
+def _options(cfg: DataConfig) -> tf.data.Options:
   options = tf.data.Options()
   options.deterministic = True
+  if getattr(cfg.dataset, "tokenizes_in_pipeline", False):
+    options.experimental_external_state_policy = records.EXTERNAL_STATE
   return options
 
 
@@ -342,18 +369,25 @@ class DataIterator:
   """Iterator of numpy batches whose position can be saved and restored."""
 
   def __init__(self, dataset: tf.data.Dataset, *, vocab_size: int,
-               process_index: int, process_count: int):
+               process_index: int, process_count: int,
+               skipped: records.Skipped | None = None):
     self.dataset = dataset
     self.vocab_size = vocab_size
     self.process_index = process_index
     self.process_count = process_count
+    self.skipped = skipped
     self._iterator = iter(dataset)
 
   def __iter__(self) -> "DataIterator":
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    return _numpy(next(self._iterator))
+    with records.named_bad_records():
+      return _numpy(next(self._iterator))
+
+  def metrics(self) -> dict[str, float]:
+    """`records.Skipped.metrics` (with `config.data.skip_bad_records`)."""
+    return self.skipped.metrics() if self.skipped else {}
 
   def _prefix(self, directory: str) -> str:
     return os.path.join(
@@ -398,8 +432,9 @@ class EvalIterable:
     self.vocab_size = vocab_size
 
   def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-    for batch in self.dataset:
-      yield _numpy(batch)
+    with records.named_bad_records():
+      for batch in self.dataset:
+        yield _numpy(batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,6 +446,7 @@ class _Stream:
   local_batch: int
   process_index: int
   process_count: int
+  skipped: records.Skipped | None   # The corpus sources' skipped records.
 
 
 def _stream(config: Any, split: str, *, shuffle_seed: int | None = None,
@@ -464,7 +500,8 @@ def _stream(config: Any, split: str, *, shuffle_seed: int | None = None,
       num_parallel_calls=(tf.data.AUTOTUNE if shuffle_seed is not None
                           else None))
   return _Stream(cfg, rows, seq_len, batch_size // process_count,
-                 process_index, process_count)
+                 process_index, process_count,
+                 getattr(info, "skipped", None))
 
 
 def make_train_iterator(config: Any, *, seed: int | None = None,
@@ -488,13 +525,15 @@ def make_train_iterator(config: Any, *, seed: int | None = None,
   s = _stream(cfg, "train", shuffle_seed=int(cfg.seed if seed is None
                                              else seed), **kwargs)
   dataset = s.rows.batch(s.local_batch, drop_remainder=True).prefetch(
-      _PREFETCH_BATCHES).with_options(_options())
+      _PREFETCH_BATCHES).with_options(_options(cfg))
   logging.info("Train data: %s, seq_len %d, %d rows per process batch, "
                "process %d of %d.", cfg.name, s.seq_len, s.local_batch,
                s.process_index, s.process_count)
-  return DataIterator(dataset, vocab_size=cfg.vocab_size(),
-                      process_index=s.process_index,
-                      process_count=s.process_count)
+  return DataIterator(
+      dataset, vocab_size=cfg.vocab_size(), process_index=s.process_index,
+      process_count=s.process_count,
+      skipped=s.skipped if getattr(cfg.dataset, "skip_bad_records",
+                                   False) else None)
 
 
 def _pad_batch(batch: dict[str, tf.Tensor], size: int
@@ -553,5 +592,6 @@ def make_eval_iterator(config: Any, *, num_batches: int | None = None,
              for key, dtype in packing.FEATURES.items()}
     dataset = dataset.concatenate(
         tf.data.Dataset.from_tensors(empty).repeat()).take(num_batches)
-  dataset = dataset.prefetch(_PREFETCH_BATCHES).with_options(_options())
+  dataset = dataset.prefetch(_PREFETCH_BATCHES).with_options(
+      _options(s.cfg))
   return EvalIterable(dataset, vocab_size=s.cfg.vocab_size())

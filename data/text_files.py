@@ -6,14 +6,17 @@ with `tokenizer="bpe"` they are the ids of a byte-level BPE
 (`data/tokenizer.py`, at most `bpe_vocab_size` ids) trained on this corpus's
 training split, built once per data dir under
 `<data_dir>/tokenizers/<corpus>_bpe<V>_seed<S>/tokenizer.json` (or any
-byte-level `tokenizer.json` given as `tokenizer_path`). No end-of-document
-token is added: a document is its file's tokens, and the packer keeps
-targets inside it. BPE takes text, so files that are not valid UTF-8 are
-left out of the BPE dataset (logged; 4 of the standard library's 1790
-files). The default glob is
-the `.py` files of the running Python's standard library (excluding
-`site-packages`/`dist-packages`), which exist on every machine, so the project
-has a real language-modelling task offline.
+byte-level `tokenizer.json` given as `tokenizer_path`); with
+`tokenizer="hf:PATH"` they are the ids of a released model's
+`tokenizer.json`, applied in the input pipeline to the byte dataset
+(`records.tokenize_files`). No end-of-document token is added (hf: only
+what its template adds): a document is its file's tokens, and the packer
+keeps targets inside it. BPE takes text, so files that are not valid UTF-8
+are left out of the BPE dataset (logged; 4 of the standard library's 1790
+files), and of the hf documents. The default glob is the `.py` files of
+the running Python's standard library (excluding
+`site-packages`/`dist-packages`), which exist on every machine, so the
+project has a real language-modelling task offline.
 
 Each file goes to `validation` when a hash of its path relative to the glob's
 fixed prefix falls below `validation_percent`, else to `train`: the split of a
@@ -165,6 +168,24 @@ class TokenizerChangedError(ValueError):
   """A tokenizer file is not the one the config records."""
 
 
+def check_hf(path: str, sha256: str) -> str:
+  """Loads a released model's tokenizer.json and returns its SHA-256.
+
+  Raises:
+    FileNotFoundError, ValueError: as `tokenizer.load_hf`.
+    TokenizerChangedError: the file's SHA-256 is not `sha256` (if given).
+  """
+  tokenizer_lib.load_hf(path)
+  digest = tokenizer_lib.sha256(path)
+  if sha256 and digest != sha256:
+    raise TokenizerChangedError(
+        f"The tokenizer {path} has SHA-256 {digest}, but the config records "
+        f"{sha256} (config.data.tokenizer_sha256): the file changed since "
+        "the run started. Restore it, or start a new run (another "
+        "--workdir).")
+  return digest
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """The `config.data` fields of the text_files dataset, validated (the one
@@ -189,8 +210,10 @@ class Settings:
         1 <= self.validation_percent <= 99):
       raise ValueError(f"text_files validation_percent must be an int in "
                        f"[1, 99], got {self.validation_percent!r}.")
-    if self.tokenizer not in TOKENIZERS:
-      raise ValueError(f"text_files tokenizer must be one of {TOKENIZERS}, "
+    if self.tokenizer not in TOKENIZERS and not tokenizer_lib.hf_path(
+        self.tokenizer):
+      raise ValueError(f"text_files tokenizer must be one of {TOKENIZERS} "
+                       "or 'hf:PATH' (a tokenizer.json), "
                        f"got {self.tokenizer!r}.")
     if self.tokenizer == "bpe":
       tokenizer_lib.check_vocab_size(self.bpe_vocab_size)
@@ -199,13 +222,26 @@ class Settings:
   def is_bpe(self) -> bool:
     return self.tokenizer == "bpe"
 
+  @property
+  def hf_path(self) -> str:
+    """A released model's tokenizer.json ("hf:PATH"): the byte dataset is
+    tokenized in the pipeline (`records.tokenize_files`); else ""."""
+    return tokenizer_lib.hf_path(self.tokenizer)
+
+  @property
+  def tokenizes_in_pipeline(self) -> bool:
+    return bool(self.hf_path)
+
   def data_vocab_size(self) -> int:
+    if self.hf_path:
+      return tokenizer_lib.vocab_size(tokenizer_lib.load_hf(self.hf_path))
     return self.bpe_vocab_size if self.is_bpe else VOCAB_SIZE
 
   def mean_length(self, info: Any, split: str) -> float:
     """Mean document length (tokens) of a split, for the packing window."""
     split_info = info.splits[split]
-    token_bytes = 2 if self.is_bpe else 1   # uint16 ids or bytes.
+    # uint16 ids, or bytes (hf: tokenized later, ~4 bytes a token).
+    token_bytes = 2 if self.is_bpe else 4 if self.hf_path else 1
     return split_info.num_bytes / token_bytes / max(
         split_info.num_examples, 1)
 
@@ -237,6 +273,9 @@ class Settings:
       ValueError: not a byte-level tokenizer, or more ids than
         `bpe_vocab_size`.
     """
+    if self.hf_path:
+      return dataclasses.replace(self, tokenizer_sha256=check_hf(
+          self.hf_path, self.tokenizer_sha256))
     if not self.is_bpe:
       return self
     path = self.tokenizer_path or self.default_tokenizer_path(data_dir)

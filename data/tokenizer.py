@@ -1,5 +1,6 @@
-"""Byte-level BPE tokenizers for the `text_files` corpus (Hugging Face
-`tokenizers`), trained offline and identified by their SHA-256.
+"""Tokenizers (Hugging Face `tokenizers`): the byte-level BPE trained for the
+`text_files` corpus, and any released model's `tokenizer.json` ("hf:PATH");
+both identified by their SHA-256.
 
 Byte-level BPE (GPT-2's scheme) first maps every UTF-8 byte to one of 256
 printable characters, so every string is encoded without unknown tokens and
@@ -20,8 +21,19 @@ Usage:
   ids = tok.encode(text).ids
   text = tok.decode(ids)
   digest = tokenizer.sha256(out_path)
+
+  # A released model's tokenizer (`config.data.tokenizer="hf:PATH"`):
+  tok = tokenizer.load_hf(tokenizer.hf_path("hf:/models/x/tokenizer.json"))
+  ids = tokenizer.encode_documents(tok, ["one document", "another"])
+
+A released model's `tokenizer.json` is used as it is: each document is
+encoded with the tokenizer's own special-token template (its
+post-processor: for example a BOS token in front for Llama-style
+tokenizers, nothing for GPT-2-style ones), exactly what
+`Tokenizer.encode(text)` gives.
 """
 
+import functools
 import hashlib
 import os
 import tempfile
@@ -38,6 +50,8 @@ SAMPLE_BYTES = 16 << 20
 # Byte-level BPE starts from the 256 byte symbols.
 MIN_VOCAB_SIZE = 257
 MAX_VOCAB_SIZE = 1 << 16   # Token ids are stored as uint16.
+# `config.data.tokenizer` of a released model's tokenizer: "hf:PATH".
+HF_PREFIX = "hf:"
 
 
 def decode_utf8(data: bytes) -> str | None:
@@ -172,6 +186,67 @@ def load(path: str) -> tokenizers.Tokenizer:
   return tok
 
 
+def hf_path(spec: str) -> str:
+  """The path of a "hf:PATH" tokenizer spec ("" for any other spec).
+
+  Raises:
+    ValueError: "hf:" without a path.
+  """
+  if not spec.startswith(HF_PREFIX):
+    return ""
+  path = spec[len(HF_PREFIX):]
+  if not path:
+    raise ValueError("config.data.tokenizer='hf:' needs the path of a "
+                     "tokenizer.json after the colon, e.g. "
+                     "'hf:/models/my-model/tokenizer.json'.")
+  return os.path.abspath(os.path.expanduser(path))
+
+
+def load_hf(path: str) -> tokenizers.Tokenizer:
+  """Loads any `tokenizer.json` (a released model's), as `tokenizers` does.
+
+  Loaded once per file version (cached by path, size and modification
+  time); the tokenizer is shared, so do not change it.
+
+  Args:
+    path: a `tokenizer.json` file (a directory: its `tokenizer.json`).
+
+  Raises:
+    FileNotFoundError: no such file.
+    ValueError: the `tokenizers` library cannot read it.
+  """
+  path = os.path.abspath(os.path.expanduser(path))
+  if os.path.isdir(path):
+    path = os.path.join(path, "tokenizer.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"No tokenizer file at {path}.")
+  stat = os.stat(path)
+  return _load_hf(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_hf(path: str, size: int, mtime_ns: int) -> tokenizers.Tokenizer:
+  del size, mtime_ns  # Only the cache key.
+  try:
+    return tokenizers.Tokenizer.from_file(path)
+  except Exception as e:  # The library raises a bare Exception.
+    raise ValueError(f"{path} is not a tokenizer.json that the tokenizers "
+                     f"library can read: {e}") from e
+
+
+def vocab_size(tok: tokenizers.Tokenizer) -> int:
+  """Token ids of a tokenizer, added (special) tokens included."""
+  return tok.get_vocab_size(with_added_tokens=True)
+
+
+def encode_documents(tok: tokenizers.Tokenizer, texts: Sequence[str]
+                     ) -> list[list[int]]:
+  """The ids of each document, with the tokenizer's special-token template
+  (its post-processor, e.g. a BOS token) applied per document."""
+  return [e.ids for e in tok.encode_batch(list(texts),
+                                          add_special_tokens=True)]
+
+
 def _byte_of_symbol() -> dict[str, int]:
   """GPT-2's byte-level alphabet: printable character -> byte value."""
   printable = (list(range(ord("!"), ord("~") + 1))
@@ -197,6 +272,33 @@ def token_bytes(tok: tokenizers.Tokenizer) -> list[bytes]:
   return out
 
 
+def token_byte_lengths(tok: tokenizers.Tokenizer) -> np.ndarray:
+  """UTF-8 bytes per token id `[vocab]` of any tokenizer, for losses per byte.
+
+  Special tokens count 0. A byte-level tokenizer's tokens count their
+  exact bytes; other tokenizers' count the bytes of the token decoded on
+  its own (approximate for pieces of a character, e.g. byte fallback).
+  """
+  table = _byte_of_symbol()
+  byte_level = isinstance(tok.decoder, decoders.ByteLevel)
+  special = {i for i, t in tok.get_added_tokens_decoder().items()
+             if t.special}
+  out = np.zeros(vocab_size(tok), np.float32)
+  others = []
+  for symbol, i in tok.get_vocab(with_added_tokens=True).items():
+    if i in special:
+      continue
+    if byte_level and all(c in table for c in symbol):
+      out[i] = len(symbol)
+    else:
+      others.append(i)
+  decoded = tok.decode_batch([[i] for i in others],
+                             skip_special_tokens=False)
+  for i, text in zip(others, decoded, strict=True):
+    out[i] = len(text.encode("utf-8", errors="replace"))
+  return out
+
+
 def decode_bytes(tok: tokenizers.Tokenizer, ids: Sequence[int]) -> bytes:
   """The exact bytes of a token sequence (also a cut inside a character)."""
   pieces = token_bytes(tok)
@@ -204,14 +306,20 @@ def decode_bytes(tok: tokenizers.Tokenizer, ids: Sequence[int]) -> bytes:
 
 
 class TextCodec:
-  """Text <-> token ids: UTF-8 bytes, or a byte-level BPE `tokenizer.json`.
+  """Text <-> token ids: UTF-8 bytes, a byte-level BPE `tokenizer.json`, or
+  a released model's `tokenizer.json`.
 
   Args:
     tokenizer_path: the BPE; "" = bytes (ids 0..255).
+    hf_tokenizer_path: a released model's `tokenizer.json` (overrides
+      `tokenizer_path`); a text is encoded as a document starts (with
+      the tokenizer's special-token template, as in training).
   """
 
-  def __init__(self, tokenizer_path: str = ""):
-    self.tokenizer = load(tokenizer_path) if tokenizer_path else None
+  def __init__(self, tokenizer_path: str = "", hf_tokenizer_path: str = ""):
+    self.hf = bool(hf_tokenizer_path)
+    self.tokenizer = (load_hf(hf_tokenizer_path) if self.hf
+                      else load(tokenizer_path) if tokenizer_path else None)
 
   def encode(self, text: str) -> list[int]:
     if self.tokenizer is None:
@@ -220,6 +328,9 @@ class TextCodec:
 
   def decode(self, ids: Sequence[int]) -> str:
     """The text; a character cut by the end of `ids` shows as U+FFFD."""
+    if self.hf:
+      return self.tokenizer.decode([int(i) for i in ids],
+                                   skip_special_tokens=False)
     data = (bytes(int(i) for i in ids) if self.tokenizer is None
             else decode_bytes(self.tokenizer, ids))
     return data.decode("utf-8", errors="replace")

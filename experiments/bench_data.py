@@ -5,7 +5,16 @@ the training iterator exactly as training does (shuffle, repeat, pack, batch,
 prefetch, numpy conversion) and reports
 
 * tokens/s: real (non-padding) packed tokens delivered per second,
-* fill: real tokens / all slots of the rows.
+* fill: real tokens / all slots of the rows,
+* vs text_files: tokens/s over the `text_files` (bytes) row of the same
+  row length in the same run.
+
+The corpus sources (`jsonl`, `jsonl_gz`, `jsonl_zst`, `parquet`, `tfds`,
+and `jsonl_hf`: JSONL through the `text_files_bpe` tokenizer.json as a
+released model's tokenizer) read the same documents as `text_files`: the
+UTF-8 files of its default corpus (the standard library's `.py` files),
+written once under `<workdir>/corpus` as one JSON line, Parquet row or TFDS
+example per file; they tokenize in the pipeline.
 
 Then, for the text datasets at seq_len 256 (4 rows a batch), how often a
 training row continues the document whose piece ended the previous row, and
@@ -20,6 +29,8 @@ Usage:
       --seconds=5 --workdir=/tmp/bench_data --continuity_datasets=
 """
 
+import gzip
+import json
 import os
 import tempfile
 import time
@@ -27,13 +38,19 @@ import time
 from absl import app, flags, logging
 import ml_collections
 import numpy as np
+import pyarrow as pa
+from pyarrow import parquet as pq
+import tensorflow_datasets as tfds
 
-from data import pipeline
+from data import builders, pipeline, text_files
+from data import tokenizer as tokenizer_lib
 from kda_lm import testing
 
 _DATASETS = flags.DEFINE_list(
-    "datasets", ["delayed_copy", "text_files", "text_files_bpe"],
-    "Datasets to benchmark (text_files_bpe: text_files, 4096-token BPE).")
+    "datasets", ["delayed_copy", "text_files", "text_files_bpe", "jsonl",
+                 "jsonl_gz", "jsonl_zst", "parquet", "tfds", "jsonl_hf"],
+    "Datasets to benchmark (text_files_bpe: text_files, 4096-token BPE; the "
+    "corpus sources: see the module docstring).")
 _CONTINUITY_DATASETS = flags.DEFINE_list(
     "continuity_datasets", ["text_files", "text_files_bpe"],
     "Datasets whose training-stream continuity is measured (none: skip).")
@@ -49,14 +66,79 @@ _WORKDIR = flags.DEFINE_string(
     "Where the datasets are built (<workdir>/tfds).")
 
 
-def data_config(name: str, seq_len: int, batch_size: int, **overrides
-                ) -> ml_collections.ConfigDict:
+class BenchCorpus(builders.LocalBuilder):
+  """The UTF-8 files of the default text_files corpus, one text each."""
+
+  def _features(self):
+    return {"text": tfds.features.Text()}
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {"train": self._generate_examples()}
+
+  def _generate_examples(self):
+    for i, text in enumerate(_corpus_texts()):
+      yield i, {"text": text}
+
+
+def _corpus_texts() -> list[str]:
+  files = text_files.document_files(text_files.default_glob(),
+                                    exclude_installed=True)
+  texts = []
+  for path, _ in files:
+    with open(path, "rb") as f:
+      text = tokenizer_lib.decode_utf8(f.read())
+    if text is not None:
+      texts.append(text)
+  return texts
+
+
+def write_corpus(workdir: str) -> str:
+  """Writes the corpus files (once) under `<workdir>/corpus`; returns it."""
+  root = os.path.join(workdir, "corpus")
+  if os.path.exists(os.path.join(root, "done")):
+    return root
+  os.makedirs(root, exist_ok=True)
+  texts = _corpus_texts()
+  lines = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+  with open(os.path.join(root, "corpus.jsonl"), "wb") as f:
+    f.write(lines)
+  with gzip.open(os.path.join(root, "corpus.jsonl.gz"), "wb") as f:
+    f.write(lines)
+  with pa.CompressedOutputStream(os.path.join(root, "corpus.jsonl.zst"),
+                                 "zstd") as f:
+    f.write(lines)
+  pq.write_table(pa.table({"text": texts}),
+                 os.path.join(root, "corpus.parquet"), row_group_size=256)
+  BenchCorpus(data_dir=os.path.join(workdir, "tfds"),
+              file_format="tfrecord").download_and_prepare()
+  open(os.path.join(root, "done"), "w").close()
+  return root
+
+
+def data_config(name: str, seq_len: int, batch_size: int, workdir: str = "",
+                **overrides) -> ml_collections.ConfigDict:
   """`config.data` for a benchmarked dataset; `text_files_bpe` is
-  `text_files` with its 4096-token BPE."""
+  `text_files` with its 4096-token BPE; the corpus sources read the files
+  of `write_corpus(workdir)`."""
   config = pipeline.default_config()
   config.name = "text_files" if name == "text_files_bpe" else name
   if name == "text_files_bpe":
     config.tokenizer = "bpe"
+  corpus = os.path.join(workdir, "corpus")
+  files = {"jsonl": "corpus.jsonl", "jsonl_gz": "corpus.jsonl.gz",
+           "jsonl_zst": "corpus.jsonl.zst", "jsonl_hf": "corpus.jsonl",
+           "parquet": "corpus.parquet"}
+  if name in files:
+    config.name = name.split("_")[0]
+    config.files = os.path.join(corpus, files[name])
+  if name == "tfds":
+    config.tfds_name = "bench_corpus"
+  if name == "jsonl_hf":
+    bpe = data_config("text_files_bpe", seq_len, batch_size)
+    config.tokenizer = "hf:" + pipeline.resolve_config(
+        ml_collections.ConfigDict({"data": bpe}), workdir
+    ).data.tokenizer_path
   config.seq_len = seq_len
   config.batch_size = batch_size
   config.update(overrides)
@@ -77,7 +159,10 @@ def bench(name: str, seq_len: int, *, tokens_per_batch: int, seconds: float,
   Returns:
     A dict with `setup_s`, `tokens_per_s`, `fill`, `batches`.
   """
-  config = data_config(name, seq_len, max(1, tokens_per_batch // seq_len))
+  if name not in ("delayed_copy", "text_files", "text_files_bpe"):
+    write_corpus(workdir)
+  config = data_config(name, seq_len, max(1, tokens_per_batch // seq_len),
+                       workdir)
   start = time.perf_counter()
   iterator = pipeline.make_train_iterator(config, workdir=workdir,
                                           process_index=0, process_count=1)
@@ -145,13 +230,16 @@ def main(argv):
   print(f"\nPacked-data throughput on {os.cpu_count()} CPU cores "
         f"({_TOKENS_PER_BATCH.value} slots per batch, "
         f"{_SECONDS.value:g} s each):\n")
-  print("| dataset | seq_len | batch | packed tokens/s | fill ratio | "
-        "setup s |")
-  print("| --- | ---: | ---: | ---: | ---: | ---: |")
+  print("| dataset | seq_len | batch | packed tokens/s | vs text_files | "
+        "fill ratio | setup s |")
+  print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+  reference = {s: r["tokens_per_s"] for n, s, r in rows if n == "text_files"}
   for name, seq_len, r in rows:
     batch = max(1, _TOKENS_PER_BATCH.value // seq_len)
+    ratio = (f"{r['tokens_per_s'] / reference[seq_len]:.2f}x"
+             if seq_len in reference else "-")
     print(f"| {name} | {seq_len} | {batch} | {r['tokens_per_s']:,.0f} | "
-          f"{r['fill']:.3f} | {r['setup_s']:.1f} |")
+          f"{ratio} | {r['fill']:.3f} | {r['setup_s']:.1f} |")
   if _CONTINUITY_DATASETS.value:
     _print_continuity(_WORKDIR.value)
 

@@ -1,6 +1,7 @@
 """Helpers shared by the tests and the benchmarks: the error metric,
-random KDA inputs, a small text corpus and the row-continuity measurement
-of packed streams.
+random KDA inputs, a small text corpus (and documents and a released-model
+style `tokenizer.json` for the corpus-source tests) and the row-continuity
+measurement of packed streams.
 
 Error metric. `rel_err(a, b) = ||a - b||_2 / ||b||_2` over the whole array,
 in float64 (0 when both are exactly zero). A norm-wise error does not blow up
@@ -436,6 +437,39 @@ def write_text_corpus(root: str, num_files: int = 8) -> dict[str, str]:
       f.write(text)
     out[name] = text
   return out
+
+
+def corpus_texts(num: int, seed: int = 0) -> list[str]:
+  """`num` distinct documents for the corpus-source tests: 1 to ~150
+  characters of ASCII, accents, CJK, an emoji, newlines, tabs, quotes and
+  backslashes (what JSON escapes), each ending in its index."""
+  rng = np.random.default_rng(seed)
+  words = ["def", "x", "café", "naïve", "名前", "データ", "🐍", "\n", "\t",
+           '"q"', "\\", "a\r\nb", "   ", "{}", "[1, 2]"]
+  return ["".join(rng.choice(words, int(rng.integers(0, 24))).tolist())
+          + f" #{i}" for i in range(num)]
+
+
+def write_hf_tokenizer(path: str, texts: Sequence[str],
+                       vocab_size: int = 320) -> str:
+  """Writes a released-model-like `tokenizer.json`: byte-level BPE learnt on
+  `texts`, special tokens `<s>` (0) and `</s>` (1), and a template that puts
+  `<s>` in front of every text. Returns `path`."""
+  # Not at the top: most users of this module do not need tokenizers.
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(
+      add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  tok.train_from_iterator(texts, tokenizers.trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False))
+  tok.post_processor = tokenizers.processors.TemplateProcessing(
+      single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tok.save(path)
+  return path
 
 
 def piece_index(documents: Iterable[np.ndarray], seq_len: int

@@ -319,3 +319,29 @@ def test_resume_reloads_the_recorded_tokenizer_and_refuses_another(
   # A config that names the checksum refuses the file before anything runs.
   with pytest.raises(text_files.TokenizerChangedError):
     pipeline.resolve_config(first, workdir)
+
+
+def test_text_files_with_a_released_tokenizer(tmp_path):
+  texts = testing.write_text_corpus(str(tmp_path / "c"))
+  (tmp_path / "c" / "latin1.txt").write_bytes(b"caf\xe9 " * 20)
+  path = testing.write_hf_tokenizer(str(tmp_path / "tokenizer.json"),
+                                    list(texts.values()))
+  config = _config(name="text_files", glob=str(tmp_path / "c" / "*.txt"),
+                   validation_percent=30, tokenizer=f"hf:{path}")
+  data_dir = str(tmp_path / "tfds")
+  tok = tokenizer_lib.load_hf(path)
+  assert pipeline.vocab_size(config) == tokenizer_lib.vocab_size(tok)
+  ids = []
+  for split in ("train", "validation"):
+    docs, _ = pipeline.load_documents(config, split, data_dir=data_dir)
+    ids += [d["tokens"].tolist() for d in docs.as_numpy_iterator()]
+  # Every UTF-8 file, tokenized as the library does (its <s> in front);
+  # the Latin-1 file is left out, as from the BPE dataset.
+  assert sorted(ids) == sorted(tok.encode(t).ids for t in texts.values())
+  batch = next(_train(config, data_dir))
+  assert batch["inputs"].max() < tokenizer_lib.vocab_size(tok)
+  run = ml_collections.ConfigDict({"data": config})
+  resolved = pipeline.resolve_config(run, str(tmp_path / "run"))
+  assert resolved.data.tokenizer_sha256 == tokenizer_lib.sha256(path)
+  lengths = pipeline.token_bytes(config, data_dir)
+  assert lengths[0] == 0 and lengths.sum() > 256

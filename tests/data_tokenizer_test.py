@@ -4,6 +4,7 @@ trips, a deterministic tokenizer file, and the checksum guard."""
 import os
 
 import pytest
+import tokenizers
 
 from data import text_files
 from data import tokenizer as tokenizer_lib
@@ -107,3 +108,37 @@ def test_text_codec_bpe_and_bytes(corpus, tmp_path):
   assert bpe.decode(ids) == text
   assert raw.encode("é") == [0xC3, 0xA9]
   assert raw.decode([0xC3, 0xA9, 0xC3]) == "é\ufffd"   # A cut character.
+
+
+def test_hf_tokenizer_json_round_trips_with_the_library_ids(tmp_path):
+  texts = testing.corpus_texts(60)
+  path = testing.write_hf_tokenizer(str(tmp_path / "m" / "tokenizer.json"),
+                                    texts)
+  assert tokenizer_lib.hf_path(f"hf:{path}") == path
+  assert tokenizer_lib.hf_path("bytes") == ""
+  with pytest.raises(ValueError, match="needs the path"):
+    tokenizer_lib.hf_path("hf:")
+  tok = tokenizer_lib.load_hf(path)
+  assert tokenizer_lib.load_hf(str(tmp_path / "m")) is tok   # Its dir.
+  library = tokenizers.Tokenizer.from_file(path)
+  ids = tokenizer_lib.encode_documents(tok, texts)
+  assert ids == [library.encode(t).ids for t in texts]
+  assert all(i[0] == 0 and 0 not in i[1:] for i in ids)   # <s> in front.
+  assert [tok.decode(i) for i in ids] == texts
+  assert tokenizer_lib.vocab_size(tok) == library.get_vocab_size()
+  # Bytes per token: 0 for the special tokens, the exact bytes otherwise.
+  lengths = tokenizer_lib.token_byte_lengths(tok)
+  assert lengths[0] == lengths[1] == 0
+  for text, row in zip(texts, ids, strict=True):
+    assert lengths[row].sum() == len(text.encode("utf-8"))
+  codec = tokenizer_lib.TextCodec(hf_tokenizer_path=path)
+  assert codec.encode(texts[3]) == ids[3]
+  assert codec.decode(ids[3]) == "<s>" + texts[3]
+
+
+def test_hf_tokenizer_errors(tmp_path):
+  with pytest.raises(FileNotFoundError, match="No tokenizer file"):
+    tokenizer_lib.load_hf(str(tmp_path / "none.json"))
+  (tmp_path / "bad.json").write_text("{}")
+  with pytest.raises(ValueError, match="bad.json is not a tokenizer.json"):
+    tokenizer_lib.load_hf(str(tmp_path / "bad.json"))

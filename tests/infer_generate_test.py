@@ -17,10 +17,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+import tokenizers
 
 from configs import ling3_tiny
 from data import tokenizer as tokenizer_lib
 from kda_lm import model as model_lib
+from kda_lm import testing
 from kda_lm.checkpoint import state as state_lib
 from kda_lm.infer import generate
 
@@ -162,3 +164,19 @@ def test_format_tokens():
   assert generate.format_tokens([104, 0xC3, 0xA9], codec) == "hé"
   # A character cut by the end of the continuation shows as U+FFFD.
   assert generate.format_tokens([104, 0xC3], codec) == "h\ufffd"
+
+
+def test_text_codec_of_a_run_on_a_released_tokenizer(tmp_path):
+  texts = ["def f(x):\n  return x", "naïve café"]
+  path = testing.write_hf_tokenizer(str(tmp_path / "tokenizer.json"),
+                                    texts * 20, vocab_size=280)
+  config = tiny_config(4)
+  config.data.update(name="jsonl", files=str(tmp_path / "*.jsonl"),
+                     tokenizer=f"hf:{path}")
+  run = state_lib.Run(str(tmp_path), config, repeater_params(), 0)
+  codec = generate.text_codec(run)
+  library = tokenizers.Tokenizer.from_file(path)
+  assert generate.parse_prompt(texts[1], codec) == library.encode(
+      texts[1]).ids
+  config.data.name = "delayed_copy"
+  assert generate.text_codec(run) is None

@@ -38,11 +38,12 @@ CHECKPOINT_DIR = "checkpoints"
 MEANING_KEYS = ("model.", "data.")
 # Keys inside those sections that may change on resume without changing the
 # meaning of the saved state (where the data and tokenizer live, kernel
-# choice and settings, the activations' dtype). A tokenizer is identified by
-# its checksum, `data.tokenizer_sha256`, a meaning key: another file, or a
+# choice and settings, the activations' dtype; skipping bad records, so that
+# a run stopped by one resumes past it). A tokenizer is identified by its
+# checksum, `data.tokenizer_sha256`, a meaning key: another file, or a
 # rebuilt one, is refused.
-SAFE_KEYS = ("data.data_dir", "data.tokenizer_path", "model.kda_impl",
-             "model.moe_impl",
+SAFE_KEYS = ("data.data_dir", "data.tokenizer_path", "data.skip_bad_records",
+             "model.kda_impl", "model.moe_impl",
              "model.kda_chunk_size", "model.compute_dtype")
 
 

@@ -36,20 +36,21 @@ IMPORTED_TOKENIZER = "tokenizer.json"
 
 
 def text_codec(run: state_lib.Run) -> Optional[tokenizer_lib.TextCodec]:
-  """The run's text codec (bytes or its BPE, checked against the SHA-256
-  in its config; or the `tokenizer.json` that `python -m kda_lm.hf import`
-  copied into the workdir); None for runs that are not on text (token
-  ids)."""
+  """The run's text codec (bytes, its BPE or a released model's
+  tokenizer.json, checked against the SHA-256 in its config; or the
+  `tokenizer.json` that `python -m kda_lm.hf import` copied into the
+  workdir); None for runs that are not on text (token ids)."""
   from data import pipeline  # pylint: disable=g-import-not-at-top
   imported = os.path.join(run.workdir, IMPORTED_TOKENIZER)
   if os.path.isfile(imported):
-    return tokenizer_lib.TextCodec(imported)
-  if run.config.data.name != "text_files":
+    return tokenizer_lib.TextCodec(hf_tokenizer_path=imported)
+  if run.config.data.name == "delayed_copy":
     return None
   data = pipeline.DataConfig.from_config(run.config.data).resolve(
       pipeline.resolve_data_dir(run.config.data, run.workdir))
   return tokenizer_lib.TextCodec(
-      data.dataset.tokenizer_path if data.dataset.is_bpe else "")
+      data.dataset.tokenizer_path if data.dataset.is_bpe else "",
+      hf_tokenizer_path=getattr(data.dataset, "hf_path", ""))
 
 
 def parse_prompt(prompt: str, codec: Optional[tokenizer_lib.TextCodec]

@@ -332,7 +332,10 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
       continue
     run.check_finite(window.fetch())
     if do_log and window.has_rows():
-      run.output.train_row(step, window.row())
+      # Skipped bad records (`DataIterator.metrics`; stand-in iterators
+      # have none).
+      data_metrics = getattr(run.train_it, "metrics", dict)()
+      run.output.train_row(step, {**window.row(), **data_metrics})
       window.reset()
     with window.paused():
       stop = do_eval and run.evaluate(step, state)
