@@ -24,6 +24,7 @@ Usage:
   python -m kda_lm.model --config=configs/ling3_tiny.py   # parameter table
 """
 
+import dataclasses
 from typing import Any, Optional
 
 import haiku as hk
@@ -368,8 +369,10 @@ def build(model_config: Any, *, remat: str = "none") -> hk.Transformed:
     segment_ids=None, positions=None)` and `apply(params, tokens,
     segment_ids=None, positions=None, return_aux=False) -> float32 logits
     [B,T,W]` (or `(logits, aux)`, see `forward`). MoE selection biases
-    are parameters that gradients never reach (`router_bias_modules` lists
-    their modules; `kda_lm.layers.moe.update_selection_biases` moves them).
+    are parameters that gradients never reach (`router_bias_slots` lists
+    them; `kda_lm.layers.moe.update_selection_biases` moves them). With
+    `scan_layers`, `init` gives the unscanned model's parameters in the
+    scanned layout (`kda_lm.stack.to_scanned`).
 
   Raises:
     ValueError: an invalid config (see `kda_lm.config.ModelConfig`).
@@ -383,7 +386,15 @@ def build(model_config: Any, *, remat: str = "none") -> hk.Transformed:
                    return_aux=return_aux, cache=cache, max_len=max_len,
                    remat=remat)
 
-  return hk.without_apply_rng(hk.transform(fn))
+  transformed = hk.without_apply_rng(hk.transform(fn))
+  if not cfg.scan_layers:
+    return transformed
+  # The same initial parameters as unscanned, stacked: a seed gives one
+  # model whatever the layout.
+  flat = build(dataclasses.replace(cfg, scan_layers=False), remat=remat)
+  return hk.Transformed(
+      init=lambda *a, **k: stack.to_scanned(flat.init(*a, **k), cfg),
+      apply=transformed.apply)
 
 
 def _mixer_param_count(cfg: config_lib.ModelConfig, kind: str) -> int:

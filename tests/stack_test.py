@@ -78,6 +78,10 @@ def test_layouts_round_trip_bit_exactly():
   assert jax.tree.map(lambda a: (a.shape, a.dtype), scanned) == (
       jax.tree.map(lambda a: (a.shape, a.dtype), want))
   assert scanned["scanned/slot_0/kda/q_proj"]["w"].shape[0] == 3
+  # The scanned model starts from the same parameters.
+  jax.tree.map(np.testing.assert_array_equal,
+               model.build(SCANNED).init(jax.random.key(1), tokens, seg),
+               scanned)
   back = stack.to_unscanned(scanned, SCANNED)
   jax.tree.map(np.testing.assert_array_equal, back, params)
   assert stack.to_layout(params, SCANNED).keys() == scanned.keys()
