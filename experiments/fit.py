@@ -5,9 +5,11 @@ gradient, AdamW, the MoE selection-bias update) of a published model for a
 target slice, mesh, sequence length, batch, rematerialisation policy and
 gradient accumulation, and prints per device: arguments (parameters,
 optimizer state, batch), temporaries and their total against the chip's
-HBM; compiled vs analytic FLOPs; the roofline step time (compiled FLOPs /
-chip peak, or analytic where the compiler reports none) and the tokens/s
-per chip it implies; and the compile seconds on this host. Run in the
+HBM; compiled vs analytic FLOPs (the ratio only for unscanned steps: XLA's
+cost analysis counts a scanned group's body once); the roofline step time
+(FLOPs / chip peak: compiled FLOPs unscanned, analytic FLOPs scanned or
+where the compiler reports none) and the tokens/s per chip it implies; and
+the compile seconds on this host. Run in the
 compile check's environment (libtpu, the CUDA plugin):
 
   py="$(bash experiments/compile_check_env.sh)"
@@ -42,7 +44,7 @@ from experiments import compile_mesh  # noqa: E402
 import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
 from kda_lm import config as config_lib  # noqa: E402
 from kda_lm import model as model_lib  # noqa: E402
-from kda_lm import optimizer  # noqa: E402
+from kda_lm import optimizer, stack  # noqa: E402
 from kda_lm.checkpoint import state as state_lib  # noqa: E402
 from kda_lm.parallel import sharding  # noqa: E402
 from kda_lm.train import step as step_lib  # noqa: E402
@@ -182,19 +184,24 @@ HEADER = ("| model | target | mesh | T | B | accum | remat | args GiB | "
           "ratio | roofline s | tok/s/chip | compile s | fits |")
 
 
-def row(name, target, mesh, T, B, accum, remat, chip, f: Fit) -> str:
+def row(name, target, mesh, T, B, accum, remat, chip, f: Fit,
+        scanned: bool) -> str:
   if f.error:
     return (f"| {name} | {target} | {mesh} | {T} | {B} | {accum} | {remat} "
             f"| - | - | - | - | {f.analytic_tflop:.1f} | - | - | - | - | "
             f"error: {f.error} |")
-  flop = f.compiled_tflop or f.analytic_tflop
+  # XLA's cost analysis counts a while loop's body once, not per trip: a
+  # scanned step's compiled FLOPs miss N-1 repeats of the group, so the
+  # roofline uses the analytic FLOPs (remat's recompute not included).
+  flop = f.analytic_tflop if scanned else (f.compiled_tflop
+                                           or f.analytic_tflop)
   step_s = flop / chip.peak_tflops
   devices = 1
   for item in mesh.split("+"):
     devices *= int(item.split("=")[1])
   tokens = B * T / devices
   ratio = (f"{f.compiled_tflop / f.analytic_tflop:.2f}"
-           if f.compiled_tflop else "-")
+           if f.compiled_tflop and not scanned else "-")
   fits = "yes" if f.total_gib <= chip.hbm_gib else "no"
   return (f"| {name} | {target} | {mesh} | {T} | {B} | {accum} | {remat} | "
           f"{f.args_gib:.2f} | {f.temp_gib:.2f} | {f.total_gib:.1f} / "
@@ -221,7 +228,9 @@ def main(argv):
     f = fit(m, _MESH.value, chip, _BATCH.value, _SEQ_LEN.value, remat,
             _ACCUM.value)
     print(row(_MODEL.value, _TARGET.value, _MESH.value, _SEQ_LEN.value,
-              _BATCH.value, _ACCUM.value, remat, chip, f), flush=True)
+              _BATCH.value, _ACCUM.value, remat, chip, f,
+              stack.find_group(config_lib.ModelConfig.from_config(m))
+              .period > 0 and _SCAN.value), flush=True)
     if not f.error and f.total_gib <= chip.hbm_gib:
       return 0
   return 1
