@@ -431,11 +431,15 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """`config.mesh`: devices as a (data, fsdp, context) mesh."""
-  # Data-parallel devices; -1 = all / (fsdp * context).
+  """`config.mesh`: devices as a (data, fsdp, expert, context) mesh."""
+  # Data-parallel devices; -1 = all / (fsdp * expert * context).
   data: int = -1
   # Devices each parameter is sharded over.
   fsdp: int = 1
+  # Expert parallelism: devices the routed experts are split over (E must
+  # be a multiple; more data parallelism for the other layers); see
+  # docs/expert_parallel.md. May change on resume.
+  expert: int = 1
   # Context parallelism: devices each row's tokens are split over (T must
   # be a multiple); see kda_lm/parallel/context.py. May change on resume.
   context: int = 1
