@@ -131,7 +131,8 @@ class DecoderBlock(hk.Module):
           num_shared_experts=cfg.num_shared_experts,
           routed_scaling_factor=cfg.routed_scaling_factor,
           n_group=cfg.n_group, topk_group=cfg.topk_group,
-          param_dtype=pdt, impl=cfg.moe_impl, name="moe")(
+          param_dtype=pdt, impl=cfg.moe_impl,
+          capacity_factor=cfg.moe_capacity_factor, name="moe")(
               h, None if segment_ids is None else segment_ids != 0)
       out = x + h, load
     return out + (cache,) if with_cache else out

@@ -1,5 +1,6 @@
 """Tests of kda_lm/layers/moe.py and the MoE decoder/training integration."""
 
+import collections
 import functools
 import json
 import os
@@ -195,12 +196,14 @@ def test_grouped_matmuls_equal_the_ragged_dot_layer(impl):
     assert testing.rel_err(a, b) <= 1e-6
 
 
-def _expert_parallel_vmapped(x_nMD, idx_nMA, w_nMA, weights, impl="xla"):
+def _expert_parallel_vmapped(x_nMD, idx_nMA, w_nMA, weights, impl="xla",
+                             capacity_factor=None):
   """`expert_parallel_swiglu` on n shards as a `jax.vmap` over the
   `expert` axis name (its all_to_all then needs no devices)."""
   n = x_nMD.shape[0]
   local = [a.reshape(n, a.shape[0] // n, *a.shape[1:]) for a in weights]
-  fn = functools.partial(moe.expert_parallel_swiglu, shards=n, impl=impl)
+  fn = functools.partial(moe.expert_parallel_swiglu, shards=n, impl=impl,
+                         capacity_factor=capacity_factor)
   return jax.vmap(fn, axis_name=context_parallel.EXPERT_AXIS)(
       x_nMD, idx_nMA, w_nMA, *local)
 
@@ -247,6 +250,46 @@ def test_expert_parallel_dispatch_equals_one_device(n, routing):
   assert testing.rel_err(loss, loss_ref) <= 1e-6
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
     assert testing.rel_err(a, b) <= 1e-6
+
+
+def _kept_pairs(idx_nMA, cap):
+  """[n,M,A] 1.0 where a pair stays within the exchange capacity: of the
+  pairs one shard sends to one shard, the first `cap` in expert order."""
+  n, M, A = idx_nMA.shape
+  keep = np.zeros(n * M * A)
+  for s in range(n):
+    flat = idx_nMA[s].reshape(-1)
+    rank = collections.Counter()
+    for p in np.argsort(flat, kind="stable"):
+      target = flat[p] // (E // n)
+      keep[s * M * A + p] = rank[target] < cap
+      rank[target] += 1
+  return keep.reshape(n, M, A)
+
+
+def test_capacity_factor_drops_the_pairs_past_capacity():
+  """With a capacity factor the exchange equals the one-device dispatch
+  without the pairs past capacity (their combine weights zeroed); the
+  capacity is `ceil(c * M * A / n)`, and a large factor drops nothing."""
+  assert moe.exchange_capacity(6, 2, 2, 4, 0.5) == 2
+  assert moe.exchange_capacity(6, 2, 2, 4, 100.0) == 12
+  assert moe.exchange_capacity(6, 2, 2, 4) == 12
+  rng = np.random.default_rng(7)
+  n, M, A = 4, 6, 2
+  x = jnp.asarray(rng.normal(size=(n, M, D)), jnp.float32)
+  idx = np.stack([rng.permutation(E)[:A] for _ in range(n * M)])
+  idx[: n * M // 2, 0] = 1     # shard 0's experts get more than capacity
+  idx = idx.reshape(n, M, A).astype(np.int32)
+  w = jnp.asarray(rng.uniform(size=(n, M, A)), jnp.float32)
+  weights = [jnp.asarray(rng.normal(size=s), jnp.float32)
+             for s in ((E, D, F), (E, D, F), (E, F, D))]
+  keep = _kept_pairs(idx, 2)
+  assert 0 < keep.sum() < keep.size
+  y = jax.jit(functools.partial(_expert_parallel_vmapped,
+                                capacity_factor=0.5))(x, idx, w, weights)
+  y_ref = moe.dispatch_swiglu(x.reshape(-1, D), idx.reshape(-1, A),
+                              (w * keep).reshape(-1, A), *weights)
+  assert testing.rel_err(y.reshape(-1, D), y_ref) <= 1e-6
 
 
 CHECKS = os.path.join(testing.REPO, "tests", "layers_moe_checks.py")

@@ -32,10 +32,14 @@ the experts, exchanges the per-expert pair counts with every device, then
 the pairs' token vectors (`all_to_all` over `expert` of an [n, cap, D]
 buffer: slot j holds the pairs for device j), runs its local experts as
 grouped matmuls over what it received, and sends the results back the
-same way. No pair is dropped: a device sends at most `cap = M *
-min(A, E/n)` pairs to one device (a token's A experts are distinct), so
+same way. By default no pair is dropped: a device sends at most `cap = M
+* min(A, E/n)` pairs to one device (a token's A experts are distinct), so
 the buffer always holds them; the price is that bound's padding in the
-buffer and the exchange (see docs/expert_parallel.md).
+buffer, the exchange and the grouped matmuls' rows (n times the pairs
+when E/n >= A). With a capacity factor c (`capacity_factor`, logged when
+traced) `cap = min(that, ceil(c * M * A / n))`: of the pairs a device
+sends to one device, those past `cap` in expert order are dropped (they
+add nothing to their token's output); see docs/expert_parallel.md.
 
 The selection bias `e_score_correction_bias [E]` is a float32 parameter that
 gradients never reach (`stop_gradient`); the training step moves it with
@@ -45,8 +49,10 @@ experts and lowering over-loaded ones.
 """
 
 import functools
+import math
 from typing import Optional
 
+from absl import logging
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -218,10 +224,23 @@ def _grouped_swiglu(rows, sizes, w_gate_EDF, w_up_EDF, w_down_EFD, impl):
   return mm(h, w_down_EFD.astype(dt))
 
 
+def exchange_capacity(M: int, A: int, E: int, shards: int,
+                      capacity_factor: Optional[float] = None) -> int:
+  """Pairs one device takes from each device (`expert_parallel_swiglu`):
+  the no-drop bound `M * min(A, E)` (E local experts), or less with a
+  capacity factor."""
+  bound = M * min(A, E)
+  if capacity_factor is None:
+    return bound
+  return max(1, min(bound, math.ceil(capacity_factor * M * A / shards)))
+
+
 def expert_parallel_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
                            w_gate_EDF: jax.Array, w_up_EDF: jax.Array,
                            w_down_EFD: jax.Array, *, shards: int,
-                           impl: str = "auto") -> jax.Array:
+                           impl: str = "auto",
+                           capacity_factor: Optional[float] = None
+                           ) -> jax.Array:
   """`dispatch_swiglu` with the experts split over `shards` devices.
 
   Runs inside `context_parallel.expert_map`: this device's tokens, its
@@ -235,22 +254,26 @@ def expert_parallel_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
     w_down_EFD: [E,F,D] their output weights.
     shards: n, the `expert` axis size.
     impl: the grouped matmul's implementation.
+    capacity_factor: None (no pair dropped) or c (`exchange_capacity`).
 
   Returns:
     [M,D] in `x_MD`'s dtype.
   """
   M, A = idx.shape
   E, D = w_gate_EDF.shape[:2]
-  cap = M * min(A, E)        # pairs one device can send to one device
+  cap = exchange_capacity(M, A, E, shards, capacity_factor)
   flat = idx.reshape(-1)                                     # [M*A]
   order = jnp.argsort(flat, stable=True)
   counts = jnp.bincount(flat, length=shards * E).astype(jnp.int32).reshape(
       shards, E)                                             # per target
   send = counts.sum(1)
   start = jnp.cumsum(send) - send
+  # Pairs kept per target expert: the first `cap` to each device.
+  before = jnp.cumsum(counts, axis=1) - counts
+  counts = jnp.clip(cap - before, 0, counts)
   slot = jnp.arange(cap, dtype=jnp.int32)
   pair = order[jnp.minimum(start[:, None] + slot, M * A - 1)]  # [n,cap]
-  used = (slot < send[:, None])[..., None]
+  used = (slot < counts.sum(1)[:, None])[..., None]
   buf = jnp.where(used, x_MD[pair // A], jnp.zeros((), x_MD.dtype))
   got_counts = context_parallel.expert_exchange(counts)      # [n,E] by src
   got = context_parallel.expert_exchange(buf)                # [n,cap,D]
@@ -263,11 +286,13 @@ def expert_parallel_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
   back = context_parallel.expert_exchange(
       out[_inverse(perm)].reshape(shards, cap, D))           # [n,cap,D]
   target = flat // E
-  out = back[target, _inverse(order) - start[target]].reshape(M, A, D)
-  return _combine(out, w, x_MD.dtype)
+  at = _inverse(order) - start[target]
+  out = jnp.where((at < cap)[:, None], back[target, jnp.minimum(at, cap - 1)],
+                  jnp.zeros((), back.dtype))
+  return _combine(out.reshape(M, A, D), w, x_MD.dtype)
 
 
-def _dispatch(x, idx, w, weights, impl):
+def _dispatch(x, idx, w, weights, impl, capacity_factor):
   """`dispatch_swiglu` of `x` ([B,T,D] or [M,D]): [M,D]. Under a device
   mesh each device sorts and runs only its own tokens; with an `expert`
   axis, through the experts of every device on that axis."""
@@ -283,7 +308,14 @@ def _dispatch(x, idx, w, weights, impl):
     args = (x_BTD.reshape(-1, D), idx_BTA.reshape(-1, A),
             w_BTA.reshape(-1, A), *weights)
     if shards > 1:
-      y = expert_parallel_swiglu(*args, shards=shards, impl=impl)
+      cap = exchange_capacity(b * t, A, weights[0].shape[0], shards,
+                              capacity_factor)
+      logging.info("Expert-parallel MoE: %d experts per device of %d, %d "
+                   "tokens per device, capacity factor %s: %d pairs from "
+                   "each device.", weights[0].shape[0],
+                   weights[0].shape[0] * shards, b * t, capacity_factor, cap)
+      y = expert_parallel_swiglu(*args, shards=shards, impl=impl,
+                                 capacity_factor=capacity_factor)
     else:
       y = dispatch_swiglu(*args, impl=impl)
     return y.reshape(b, t, D)
@@ -304,7 +336,8 @@ class MoE(hk.Module):
                intermediate_size: int, *, num_shared_experts: int = 1,
                routed_scaling_factor: float = 1.0, n_group: int = 1,
                topk_group: int = 1, param_dtype=jnp.float32,
-               impl: str = "auto", name: Optional[str] = None):
+               impl: str = "auto", capacity_factor: Optional[float] = None,
+               name: Optional[str] = None):
     """Initialises the module.
 
     Args:
@@ -319,6 +352,8 @@ class MoE(hk.Module):
       param_dtype: dtype of the expert weights (router weight and bias are
         float32).
       impl: the routed experts' grouped matmul (`kda_lm.ops.gmm`).
+      capacity_factor: under expert parallelism, None (no pair dropped)
+        or the exchange's capacity factor (`exchange_capacity`).
       name: module name.
 
     Raises:
@@ -336,6 +371,7 @@ class MoE(hk.Module):
                         routed_scaling_factor=routed_scaling_factor)
     self.param_dtype = param_dtype
     self.impl = impl
+    self.capacity_factor = capacity_factor
 
   def __call__(self, x: jax.Array, valid: Optional[jax.Array] = None
                ) -> tuple[jax.Array, jax.Array]:
@@ -364,7 +400,8 @@ class MoE(hk.Module):
     w_gate = hk.get_parameter("gate_proj", [E, D, F], pdt, init=init_in)
     w_up = hk.get_parameter("up_proj", [E, D, F], pdt, init=init_in)
     w_down = hk.get_parameter("down_proj", [E, F, D], pdt, init=init_out)
-    y = _dispatch(x, idx, w, (w_gate, w_up, w_down), self.impl)
+    y = _dispatch(x, idx, w, (w_gate, w_up, w_down), self.impl,
+                  self.capacity_factor)
     if self.num_shared:
       y = y + mlp.SwiGLU(self.num_shared * F, param_dtype=pdt,
                          name="shared_experts")(x_MD)
