@@ -28,12 +28,14 @@ Mesh axes: `data`, `fsdp`, `expert`, `context`. Models: Ling-3.0-tiny's
 widths (default), `dense` (those with `num_experts=0`, dense SwiGLU layers
 of the same active width, the reference for the MoE's memory), `flash`
 (Ling-3.0-flash's widths), `kimi` (Kimi-Linear-48B's widths, written
-here from its published config), each cut to `--layers` layers.
+here from its published config), each cut to `--layers` layers; `@c`
+after the model sets `moe_capacity_factor` (e.g. `flash@1.25`).
 
 Each row also reports the collectives of the compiled step per device
 (`compile_report.collective_bytes` on the HLO text): all-gathers, the
 all-gathers of routed expert weights alone (arrays `[e, D, F]` or
-`[e, F, D]`), and all-to-alls. A collective inside a loop counts once.
+`[e, F, D]`), all-reduces (with reduce-scatters) and all-to-alls. A
+collective inside a loop counts once.
 """
 
 import os
@@ -89,9 +91,10 @@ class Row:
   compiled_tflop: float = 0.0     # 0: the compiler reports none
   analytic_tflop: float = 0.0
   # Collectives per device (GiB): all-gathers, those of routed expert
-  # weights, all-to-alls.
+  # weights, all-reduces and reduce-scatters, all-to-alls.
   gather_gib: float = 0.0
   expert_gather_gib: float = 0.0
+  reduce_gib: float = 0.0
   a2a_gib: float = 0.0
   seconds: float = 0.0
   problems: list = dataclasses.field(default_factory=list)
@@ -138,8 +141,9 @@ def kimi_linear_48b():
 
 
 def model_config(layers, model="tiny"):
-  """`model`'s widths ("tiny", "dense", "flash", "kimi") with `layers`
-  layers of its pattern."""
+  """`model`'s widths ("tiny", "dense", "flash", "kimi"; `name@c` sets
+  `moe_capacity_factor` c) with `layers` layers of its pattern."""
+  model, _, capacity = model.partition("@")
   if model == "kimi":
     m = kimi_linear_48b()
   elif model in ("tiny", "dense", "flash"):
@@ -147,6 +151,8 @@ def model_config(layers, model="tiny"):
   else:
     raise ValueError(f"Unknown model {model!r}: tiny, dense, flash, kimi.")
   m.attention_pattern = m.attention_pattern[:layers - 1] + "M"
+  if capacity:
+    m.moe_capacity_factor = float(capacity)
   if model == "dense":
     m.num_experts = 0
     m.mlp_hidden_dim = (m.num_experts_per_tok + m.num_shared_experts) * (
@@ -255,6 +261,8 @@ def run_row(spec, layers, T):
       f.write(hlo)
   moved = compile_report.collective_bytes(hlo)
   row.gather_gib = moved.get("all-gather", 0) / GIB
+  row.reduce_gib = (moved.get("all-reduce", 0)
+                    + moved.get("reduce-scatter", 0)) / GIB
   row.a2a_gib = (moved.get("all-to-all", 0)
                  + moved.get("ragged-all-to-all", 0)) / GIB
   row.expert_gather_gib = compile_report.collective_bytes(
@@ -273,8 +281,8 @@ def check(row, max_ratio):
 
 HEADER = ("| target:mesh:B | args GiB/dev | temp GiB/dev | compiled "
           "TFLOP/dev | analytic TFLOP/dev | ratio | all-gather GiB/dev | "
-          "expert all-gather GiB/dev | all-to-all GiB/dev | compile s | "
-          "status |")
+          "expert all-gather GiB/dev | all-reduce GiB/dev | all-to-all "
+          "GiB/dev | compile s | status |")
 
 
 def fmt(row):
@@ -285,7 +293,8 @@ def fmt(row):
   return (f"| {row.spec} | {row.args_gib:.2f} | {row.temp_gib:.2f} | "
           f"{compiled} | {row.analytic_tflop:.3f} | {ratio} | "
           f"{row.gather_gib:.3f} | {row.expert_gather_gib:.3f} | "
-          f"{row.a2a_gib:.3f} | {row.seconds:.0f} | {status} |")
+          f"{row.reduce_gib:.3f} | {row.a2a_gib:.3f} | {row.seconds:.0f} | "
+          f"{status} |")
 
 
 def main(argv):
@@ -295,7 +304,7 @@ def main(argv):
         f"{m.attention_pattern}, T={_SEQ_LEN.value}, kda_impl and "
         f"moe_impl auto, {m.compute_dtype} activations", flush=True)
   print(HEADER)
-  print("|" + "---|" * 11, flush=True)
+  print("|" + "---|" * 12, flush=True)
   rows = []
   for spec in _ROWS.value:
     row = check(run_row(spec, _LAYERS.value, _SEQ_LEN.value),
