@@ -1,6 +1,7 @@
 """What XLA and ptxas report about compiled GPU kernels, and the limits the
-compile check (experiments/compile_check.py) enforces. Pure text parsing,
-no JAX: tested in tests/compile_report_test.py."""
+compile check (experiments/compile_check.py) enforces; the bytes of the
+collectives in a compiled step's HLO text (experiments/compile_mesh.py).
+Pure text parsing, no JAX: tested in tests/compile_report_test.py."""
 
 import re
 
