@@ -52,6 +52,7 @@ from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
 
 from configs import ling3  # noqa: E402
 from experiments import compile_report  # noqa: E402
@@ -75,6 +76,9 @@ _MAX_RATIO = flags.DEFINE_float("max_ratio", 1.3,
                                 "Largest compiled / analytic FLOPs.")
 _HLO_DIR = flags.DEFINE_string("hlo_dir", None,
                                "Write each row's compiled HLO text here.")
+_STATE_ONLY = flags.DEFINE_bool(
+    "state_only", False, "Compile nothing: print each row's full-depth "
+    "train state (parameters and AdamW moments) per device.")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 H100_SPEC = os.path.join(HERE, "targets", "h100_sxm.txtpb")
@@ -150,7 +154,8 @@ def model_config(layers, model="tiny"):
     m = ling3.model_config("flash" if model == "flash" else "tiny")
   else:
     raise ValueError(f"Unknown model {model!r}: tiny, dense, flash, kimi.")
-  m.attention_pattern = m.attention_pattern[:layers - 1] + "M"
+  if layers is not None:    # None: the model's full depth.
+    m.attention_pattern = m.attention_pattern[:layers - 1] + "M"
   if capacity:
     m.moe_capacity_factor = float(capacity)
   if model == "dense":
@@ -216,6 +221,35 @@ def compile_step(m, mesh_config, devs, B, T, platform):
         lowering_platforms=("cuda" if platform == "gpu" else "tpu",))
   compiled = lowered.compile()
   return compiled, time.time() - start
+
+
+def state_gib(m, mesh_config, devs):
+  """GiB per device of the train state (parameters, AdamW moments) of the
+  model `m` as `sharding.state_shardings` lays it out on the mesh."""
+  mesh = sharding.make_mesh(mesh_config, list(devs))
+  model = model_lib.build(m)
+  tx, _ = optimizer.make_optimizer(ling3.get_config().opt, 100)
+  abstract = jax.eval_shape(state_lib.make_init_fn(model, tx, 1),
+                            jax.random.PRNGKey(0))
+  total = 0
+  for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(
+      sharding.state_shardings(abstract, mesh)), strict=True):
+    total += int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize
+  return total / GIB
+
+
+def state_table(specs):
+  """`--state_only`: the full-depth state per device of each row."""
+  print("| target:mesh:B:model | full-depth state GiB/dev |")
+  print("|---|---|")
+  for spec in specs:
+    target, mesh_text, _, *rest = spec.split(":")
+    m = model_config(None, rest[0] if rest else "tiny")
+    mesh_config = parse_mesh(mesh_text)
+    count = (mesh_config.data * mesh_config.fsdp * mesh_config.expert
+             * mesh_config.context)
+    gib = state_gib(m, mesh_config, devices(target)[:count])
+    print(f"| {spec} | {gib:.2f} |", flush=True)
 
 
 def expert_weight(m, expert):
@@ -299,6 +333,9 @@ def fmt(row):
 
 def main(argv):
   del argv
+  if _STATE_ONLY.value:
+    state_table(_ROWS.value)
+    return 0
   m = model_config(_LAYERS.value)
   print(f"jax {jax.__version__}; Ling-3.0-tiny widths, pattern "
         f"{m.attention_pattern}, T={_SEQ_LEN.value}, kda_impl and "
