@@ -21,9 +21,21 @@ check's environment (libtpu, the CUDA plugin):
   "$py" -m experiments.compile_mesh                       # the docs table
   "$py" -m experiments.compile_mesh --seq_len=512 --layers=4   # CI's size
 
-A row is `target:mesh:B[:dense]`, e.g. `v5p:data=2+fsdp=2:4` or
-`h100x1:data=1:1:dense` (`dense`: `num_experts=0`, dense SwiGLU layers of
-the same active width, the reference for the MoE's memory).
+A row is `target:mesh:B[:model]`, e.g. `v5p:data=2+fsdp=2:4`,
+`h100x1:data=1:1:dense` or `v5p32:fsdp=4+expert=4:16:flash`. Targets:
+`v5p` (a `2x2x1` slice, 4 chips), `v5p32` (`2x2x4`, 16 chips), `h100x<n>`.
+Mesh axes: `data`, `fsdp`, `expert`, `context`. Models: Ling-3.0-tiny's
+widths (default), `dense` (those with `num_experts=0`, dense SwiGLU layers
+of the same active width, the reference for the MoE's memory), `flash`
+(Ling-3.0-flash's widths), `kimi` (Kimi-Linear-48B's widths, written
+here from its published config), each cut to `--layers` layers; `@c`
+after the model sets `moe_capacity_factor` (e.g. `flash@1.25`).
+
+Each row also reports the collectives of the compiled step per device
+(`compile_report.collective_bytes` on the HLO text): all-gathers, the
+all-gathers of routed expert weights alone (arrays `[e, D, F]` or
+`[e, F, D]`), all-reduces (with reduce-scatters) and all-to-alls. A
+collective inside a loop counts once.
 """
 
 import os
@@ -40,8 +52,10 @@ from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
 
 from configs import ling3  # noqa: E402
+from experiments import compile_report  # noqa: E402
 import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
 from kda_lm import config as config_lib  # noqa: E402
 from kda_lm import model as model_lib  # noqa: E402
@@ -58,7 +72,7 @@ DEFAULT_ROWS = ["v5p:fsdp=4:4", "v5p:data=4:4", "v5p:data=2+fsdp=2:4",
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 H100_SPEC = os.path.join(HERE, "targets", "h100_sxm.txtpb")
-TPU_TOPOLOGIES = {"v5p": "v5p:2x2x1"}
+TPU_TOPOLOGIES = {"v5p": "v5p:2x2x1", "v5p32": "v5p:2x2x4"}
 GIB = 2.0 ** 30
 
 
@@ -70,6 +84,12 @@ class Row:
   temp_gib: float = 0.0
   compiled_tflop: float = 0.0     # 0: the compiler reports none
   analytic_tflop: float = 0.0
+  # Collectives per device (GiB): all-gathers, those of routed expert
+  # weights, all-reduces and reduce-scatters, all-to-alls.
+  gather_gib: float = 0.0
+  expert_gather_gib: float = 0.0
+  reduce_gib: float = 0.0
+  a2a_gib: float = 0.0
   seconds: float = 0.0
   problems: list = dataclasses.field(default_factory=list)
 
@@ -90,7 +110,7 @@ def devices(target):
 
 def parse_mesh(text):
   """"data=2+fsdp=2" -> a `config.mesh` ConfigDict (missing axes 1)."""
-  sizes = dict(data=1, fsdp=1, context=1)
+  sizes = dict(data=1, fsdp=1, expert=1, context=1)
   for item in text.split("+"):
     name, value = item.split("=")
     if name not in sizes:
@@ -99,11 +119,36 @@ def parse_mesh(text):
   return ml_collections.ConfigDict(sizes)
 
 
-def model_config(layers, dense=False):
-  """Ling-3.0-tiny's widths with `layers` layers of its pattern."""
+def kimi_linear_48b():
+  """Kimi-Linear-48B-A3B's `model` section (docs/layers.md's column)."""
   m = ling3.model_config("tiny")
-  m.attention_pattern = m.attention_pattern[:layers - 1] + "M"
-  if dense:
+  m.update(dict(
+      vocab_size=163840, d_model=2304, num_heads=32, head_dim=128,
+      q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128,
+      qk_rope_head_dim=64, v_head_dim=128, use_nope=True,
+      mla_output_gate=False, kda_gate="kimi", norm_eps=1e-5,
+      mlp_hidden_dim=9216, num_experts=256, moe_intermediate_size=1024,
+      num_experts_per_tok=8, num_shared_experts=1, n_group=1, topk_group=1,
+      routed_scaling_factor=2.446, first_k_dense_replace=1,
+      attention_pattern=model_lib.ling_pattern(27, 4)))
+  return m
+
+
+def model_config(layers, model="tiny"):
+  """`model`'s widths ("tiny", "dense", "flash", "kimi"; `name@c` sets
+  `moe_capacity_factor` c) with `layers` layers of its pattern."""
+  model, _, capacity = model.partition("@")
+  if model == "kimi":
+    m = kimi_linear_48b()
+  elif model in ("tiny", "dense", "flash"):
+    m = ling3.model_config("flash" if model == "flash" else "tiny")
+  else:
+    raise ValueError(f"Unknown model {model!r}: tiny, dense, flash, kimi.")
+  if layers is not None:    # None: the model's full depth.
+    m.attention_pattern = m.attention_pattern[:layers - 1] + "M"
+  if capacity:
+    m.moe_capacity_factor = float(capacity)
+  if model == "dense":
     m.num_experts = 0
     m.mlp_hidden_dim = (m.num_experts_per_tok + m.num_shared_experts) * (
         m.moe_intermediate_size)
@@ -143,6 +188,7 @@ def backend(platform):
 def compile_step(m, mesh_config, devs, B, T, platform):
   """The compiled training step: (compiled, seconds)."""
   mesh = sharding.make_mesh(mesh_config, list(devs))
+  sharding.check_expert_axis(mesh_config.expert, m.num_experts)
   model = model_lib.build(m)
   opt = ling3.get_config().opt
   tx, schedule = optimizer.make_optimizer(opt, 100)
@@ -167,14 +213,54 @@ def compile_step(m, mesh_config, devs, B, T, platform):
   return compiled, time.time() - start
 
 
+def state_gib(m, mesh_config, devs):
+  """GiB per device of the train state (parameters, AdamW moments) of the
+  model `m` as `sharding.state_shardings` lays it out on the mesh."""
+  mesh = sharding.make_mesh(mesh_config, list(devs))
+  model = model_lib.build(m)
+  tx, _ = optimizer.make_optimizer(ling3.get_config().opt, 100)
+  abstract = jax.eval_shape(state_lib.make_init_fn(model, tx, 1),
+                            jax.random.PRNGKey(0))
+  total = 0
+  for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(
+      state_lib.state_shardings(abstract, mesh)), strict=True):
+    total += int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize
+  return total / GIB
+
+
+def state_table(specs):
+  """`--state_only`: the full-depth state per device of each row."""
+  print("| target:mesh:B:model | full-depth state GiB/dev |")
+  print("|---|---|")
+  for spec in specs:
+    target, mesh_text, _, *rest = spec.split(":")
+    m = model_config(None, rest[0] if rest else "tiny")
+    mesh_config = parse_mesh(mesh_text)
+    count = (mesh_config.data * mesh_config.fsdp * mesh_config.expert
+             * mesh_config.context)
+    gib = state_gib(m, mesh_config, devices(target)[:count])
+    print(f"| {spec} | {gib:.2f} |", flush=True)
+
+
+def expert_weight(m, expert):
+  """`select` for `collective_bytes`: all-gathered routed expert weights
+  (`[E/expert, D, F]` or `[E/expert, F, D]`)."""
+  if not m.num_experts:
+    return lambda *_: False
+  D, F = m.d_model, m.moe_intermediate_size
+  e = m.num_experts // expert
+  shapes = {(e, D, F), (e, F, D)}
+  return lambda kind, dt, dims: kind == "all-gather" and dims in shapes
+
+
 def run_row(spec, layers, T):
   target, mesh_text, b, *rest = spec.split(":")
-  dense = rest == ["dense"]
   row = Row(spec)
-  m = model_config(layers, dense)
+  m = model_config(layers, rest[0] if rest else "tiny")
   mesh_config = parse_mesh(mesh_text)
   devs = devices(target)
-  count = mesh_config.data * mesh_config.fsdp * mesh_config.context
+  count = (mesh_config.data * mesh_config.fsdp * mesh_config.expert
+           * mesh_config.context)
   platform = "tpu" if target in TPU_TOPOLOGIES else "gpu"
   row.analytic_tflop = analytic_flops(m, int(b), T) / count / 1e12
   try:
@@ -191,6 +277,20 @@ def run_row(spec, layers, T):
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
   row.compiled_tflop = float(cost.get("flops", 0.0)) / 1e12
+  hlo = compiled.as_text()
+  if flags.FLAGS.hlo_dir:
+    os.makedirs(flags.FLAGS.hlo_dir, exist_ok=True)
+    with open(os.path.join(flags.FLAGS.hlo_dir, spec.replace(":", "_")
+                           + ".hlo.txt"), "w") as f:
+      f.write(hlo)
+  moved = compile_report.collective_bytes(hlo)
+  row.gather_gib = moved.get("all-gather", 0) / GIB
+  row.reduce_gib = (moved.get("all-reduce", 0)
+                    + moved.get("reduce-scatter", 0)) / GIB
+  row.a2a_gib = (moved.get("all-to-all", 0)
+                 + moved.get("ragged-all-to-all", 0)) / GIB
+  row.expert_gather_gib = compile_report.collective_bytes(
+      hlo, expert_weight(m, mesh_config.expert)).get("all-gather", 0) / GIB
   return row
 
 
@@ -204,7 +304,9 @@ def check(row, max_ratio):
 
 
 HEADER = ("| target:mesh:B | args GiB/dev | temp GiB/dev | compiled "
-          "TFLOP/dev | analytic TFLOP/dev | ratio | compile s | status |")
+          "TFLOP/dev | analytic TFLOP/dev | ratio | all-gather GiB/dev | "
+          "expert all-gather GiB/dev | all-reduce GiB/dev | all-to-all "
+          "GiB/dev | compile s | status |")
 
 
 def fmt(row):
@@ -214,18 +316,23 @@ def fmt(row):
   status = "ok" if not row.problems else "FAIL: " + "; ".join(row.problems)
   return (f"| {row.spec} | {row.args_gib:.2f} | {row.temp_gib:.2f} | "
           f"{compiled} | {row.analytic_tflop:.3f} | {ratio} | "
-          f"{row.seconds:.0f} | {status} |")
+          f"{row.gather_gib:.3f} | {row.expert_gather_gib:.3f} | "
+          f"{row.reduce_gib:.3f} | {row.a2a_gib:.3f} | {row.seconds:.0f} | "
+          f"{status} |")
 
 
 def main(argv):
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
+  if FLAGS.state_only:
+    state_table(FLAGS.rows)
+    return 0
   m = model_config(FLAGS.layers)
   print(f"jax {jax.__version__}; Ling-3.0-tiny widths, pattern "
         f"{m.attention_pattern}, T={FLAGS.seq_len}, kda_impl and "
         f"moe_impl auto, {m.compute_dtype} activations", flush=True)
   print(HEADER)
-  print("|" + "---|" * 8, flush=True)
+  print("|" + "---|" * 12, flush=True)
   rows = []
   for spec in FLAGS.rows:
     row = check(run_row(spec, FLAGS.layers, FLAGS.seq_len),
@@ -240,10 +347,15 @@ def main(argv):
 def define_flags():
   """The command's flags (defined only when run: `experiments.fit`
   imports this module's functions)."""
-  flags.DEFINE_list("rows", DEFAULT_ROWS, "target:mesh:B[:dense].")
+  flags.DEFINE_list("rows", DEFAULT_ROWS, "target:mesh:B[:model].")
   flags.DEFINE_integer("layers", 4, "Decoder layers (KKKM...).")
   flags.DEFINE_integer("seq_len", 4096, "T, tokens per row.")
   flags.DEFINE_float("max_ratio", 1.3, "Largest compiled / analytic FLOPs.")
+  flags.DEFINE_string("hlo_dir", None,
+                      "Write each row's compiled HLO text here.")
+  flags.DEFINE_bool("state_only", False, "Compile nothing: print each row's "
+                    "full-depth train state (parameters and AdamW moments) "
+                    "per device.")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What XLA and ptxas report about compiled GPU kernels, and the limits the
-compile check (experiments/compile_check.py) enforces. Pure text parsing,
-no JAX: tested in tests/compile_report_test.py."""
+compile check (experiments/compile_check.py) enforces; the bytes of the
+collectives in a compiled step's HLO text (experiments/compile_mesh.py).
+Pure text parsing, no JAX: tested in tests/compile_report_test.py."""
 
 import re
 
@@ -46,3 +47,57 @@ def gpu_problems(shared, shared_limit, spills, max_spill):
   if max(spills) > max_spill:
     problems.append(f"spills {spills[0]}/{spills[1]} B > {max_spill}")
   return problems
+
+
+# ---------------------------------------------------------------------------
+# Collectives in compiled HLO text (`compiled.as_text()`).
+
+COLLECTIVES = ("all-gather", "all-to-all", "ragged-all-to-all", "all-reduce",
+               "reduce-scatter", "collective-permute")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2,
+               "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
+               "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_INSTRUCTION = re.compile(
+    r"=\s*(\([^=]*?\)|\S+)\s+(" + "|".join(
+        re.escape(c) for c in sorted(COLLECTIVES, key=len, reverse=True))
+    + r")(-done)?\(")
+
+
+def _arrays(shape_text):
+  """[(dtype, dims)] of an HLO result shape (an array or a tuple)."""
+  return [(dt, tuple(int(d) for d in dims.split(",") if d))
+          for dt, dims in _ARRAY.findall(shape_text) if dt in DTYPE_BYTES]
+
+
+def collective_ops(hlo_text):
+  """Every collective of a compiled module: [(kind, dtype, dims, bytes)].
+
+  One entry per array a collective returns (a combined all-gather returns
+  a tuple), its bytes those of the result on one device (an all-gather's
+  gathered array, an all-to-all's received buffer, a reduce-scatter's
+  piece). Asynchronous pairs count once, at their `-done` (whose result
+  is the output); a `-start` is skipped. A collective inside a loop body
+  counts once, not once per iteration.
+  """
+  out = []
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.search(line)
+    if not m:
+      continue
+    for dt, dims in _arrays(m.group(1)):
+      size = DTYPE_BYTES[dt]
+      for d in dims:
+        size *= d
+      out.append((m.group(2), dt, dims, size))
+  return out
+
+
+def collective_bytes(hlo_text, select=None):
+  """{kind: bytes per device} summed over `collective_ops` (those for
+  which `select(kind, dtype, dims)` is true, when given)."""
+  out = {}
+  for kind, dt, dims, size in collective_ops(hlo_text):
+    if select is None or select(kind, dt, dims):
+      out[kind] = out.get(kind, 0) + size
+  return out

@@ -238,6 +238,12 @@ class ModelConfig:
   # Expert groups (group-limited top-k) and groups a token may pick from.
   n_group: int = 1
   topk_group: int = 1
+  # Expert parallelism (mesh.expert = n > 1) only: None = no (token,
+  # expert) pair is dropped (exchange buffers sized for the worst case,
+  # n x the pairs); c > 0 = each device takes at most ceil(c * M * A / n)
+  # pairs from each device per layer (M its tokens), the rest dropped
+  # (docs/expert_parallel.md).
+  moe_capacity_factor: Optional[float] = None
   # Selection-bias step per update (aux-loss-free balancing; 0 = frozen).
   router_bias_update_rate: float = 1e-3
   # Multi-token prediction layers after the stack (layers/mtp.py); 0 = none.
@@ -328,6 +334,10 @@ class ModelConfig:
       moe.check_dims(num_experts=self.num_experts,
                      num_experts_per_tok=self.num_experts_per_tok,
                      n_group=self.n_group, topk_group=self.topk_group)
+    if self.moe_capacity_factor is not None and not (
+        self.moe_capacity_factor > 0):
+      raise ValueError(f"model.moe_capacity_factor must be None or > 0, got "
+                       f"{self.moe_capacity_factor!r}.")
     if self.mtp_layer_kind not in LAYER_KINDS:
       raise ValueError(f"model.mtp_layer_kind must be one of "
                        f"{sorted(LAYER_KINDS)}, got "
@@ -459,11 +469,15 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """`config.mesh`: devices as a (data, fsdp, context) mesh."""
-  # Data-parallel devices; -1 = all / (fsdp * context).
+  """`config.mesh`: devices as a (data, fsdp, expert, context) mesh."""
+  # Data-parallel devices; -1 = all / (fsdp * expert * context).
   data: int = -1
   # Devices each parameter is sharded over.
   fsdp: int = 1
+  # Expert parallelism: devices the routed experts are split over (E must
+  # be a multiple; more data parallelism for the other layers); see
+  # docs/expert_parallel.md. May change on resume.
+  expert: int = 1
   # Context parallelism: devices each row's tokens are split over (T must
   # be a multiple); see kda_lm/parallel/context.py. May change on resume.
   context: int = 1

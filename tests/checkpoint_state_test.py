@@ -66,3 +66,20 @@ def test_config_variants(variant, pattern, dataset, vocab):
     ling3_tiny.get_config("large")
   with pytest.raises(ValueError, match="one of"):
     ling3_tiny.get_config("text,text_bytes")
+
+
+def test_bad_expert_axis_refused_before_tracing(data_dir):
+  """`config.mesh.expert` that the routed experts do not divide, or on a
+  dense model: a ValueError from the config check, naming the fields."""
+  config = tiny_config(data_dir)
+  config.mesh.expert = 4
+  assert state_lib.check_config(config).mesh.expert == 4
+  config.mesh.expert = 3
+  with pytest.raises(ValueError, match=r"config\.model\.num_experts = 8 is "
+                     r"not a multiple of config\.mesh\.expert = 3"):
+    state_lib.check_config(config)
+  config.mesh.expert = 2
+  config.model.num_experts = 0
+  with pytest.raises(ValueError, match=r"config\.mesh\.expert = 2 shards "
+                     r"routed experts, but the model has none"):
+    state_lib.check_config(config)

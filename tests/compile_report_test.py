@@ -49,3 +49,39 @@ def test_limits_fail_oversized_kernels():
   assert compile_report.gpu_problems(36864, limit, (1344, 1540), 1024) == [
       "spills 1344/1540 B > 1024"]
   assert compile_report.gpu_problems(0, limit, (0, 1025), 1024)
+
+
+# Lines in the form of a compiled module's HLO text (`compiled.as_text()`).
+COLLECTIVES = "\n".join([
+    "  %all-gather.1 = bf16[512,2560,768]{2,1,0} all-gather(bf16[128,2560,"
+    "768]{2,1,0} %p), channel_id=1, replica_groups=[4,4]<=[16], "
+    "dimensions={0}",
+    "  %ag-start = (bf16[8,16]{1,0}, bf16[32,16]{1,0}) all-gather-start("
+    "bf16[8,16]{1,0} %x), dimensions={0}",
+    "  %ag-done = bf16[32,16]{1,0} all-gather-done((bf16[8,16]{1,0}, "
+    "bf16[32,16]{1,0}) %ag-start)",
+    "  %a2a = (f32[2,4]{1,0}, s32[2,4]{1,0}) all-to-all(f32[2,4]{1,0} %a, "
+    "s32[2,4]{1,0} %b), replica_groups={{0,1}}",
+    "  ROOT %ar = f32[] all-reduce(f32[] %z), to_apply=%add",
+    "  %rs = f32[4,8]{1,0} reduce-scatter(f32[16,8]{1,0} %g), "
+    "dimensions={0}",
+    "  %fusion = f32[3]{0} fusion(f32[3]{0} %all-gather.1), kind=kLoop"])
+
+
+def test_collective_ops_and_bytes():
+  """Each collective's result arrays on one device; an asynchronous pair
+  once (at its -done); operands and fusions that read a collective are
+  not collectives."""
+  assert compile_report.collective_ops(COLLECTIVES) == [
+      ("all-gather", "bf16", (512, 2560, 768), 512 * 2560 * 768 * 2),
+      ("all-gather", "bf16", (32, 16), 32 * 16 * 2),
+      ("all-to-all", "f32", (2, 4), 32), ("all-to-all", "s32", (2, 4), 32),
+      ("all-reduce", "f32", (), 4),
+      ("reduce-scatter", "f32", (4, 8), 128)]
+  assert compile_report.collective_bytes(COLLECTIVES) == {
+      "all-gather": 512 * 2560 * 768 * 2 + 1024, "all-to-all": 64,
+      "all-reduce": 4, "reduce-scatter": 128}
+  experts = compile_report.collective_bytes(
+      COLLECTIVES, lambda kind, dt, dims: dims == (512, 2560, 768))
+  assert experts == {"all-gather": 512 * 2560 * 768 * 2}
+  assert compile_report.collective_bytes("no collectives") == {}

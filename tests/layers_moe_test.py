@@ -1,6 +1,11 @@
 """Tests of kda_lm/layers/moe.py and the MoE decoder/training integration."""
 
+import collections
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import haiku as hk
 import jax
@@ -11,6 +16,7 @@ import pytest
 
 from kda_lm import model, testing
 from kda_lm.layers import moe
+from kda_lm.parallel import context as context_parallel
 
 D, E, K, F = 8, 8, 3, 4
 N_GROUP, TOPK_GROUP, SCALE = 4, 2, 2.5
@@ -197,6 +203,128 @@ def test_grouped_matmuls_equal_the_ragged_dot_layer(impl):
   np.testing.assert_array_equal(load, load_ref)
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
     assert testing.rel_err(a, b) <= 1e-6
+
+
+def _expert_parallel_vmapped(x_nMD, idx_nMA, w_nMA, weights, impl="xla",
+                             capacity_factor=None):
+  """`expert_parallel_swiglu` on n shards as a `jax.vmap` over the
+  `expert` axis name (its all_to_all then needs no devices)."""
+  n = x_nMD.shape[0]
+  local = [a.reshape(n, a.shape[0] // n, *a.shape[1:]) for a in weights]
+  fn = functools.partial(moe.expert_parallel_swiglu, shards=n, impl=impl,
+                         capacity_factor=capacity_factor)
+  return jax.vmap(fn, axis_name=context_parallel.EXPERT_AXIS)(
+      x_nMD, idx_nMA, w_nMA, *local)
+
+
+def _sharded_loss(x, idx, w, weights, cot):
+  return jnp.sum(_expert_parallel_vmapped(x, idx, w, weights) * cot)
+
+
+def _whole_loss(x, idx, w, weights, cot):
+  y = moe.dispatch_swiglu(x.reshape(-1, D), idx.reshape(-1, idx.shape[-1]),
+                          w.reshape(-1, w.shape[-1]), *weights,
+                          impl="ragged_dot")
+  return jnp.sum(y.reshape(x.shape) * cot)
+
+
+# Compiled once per shard count for every routing (idx is an argument).
+_SHARDED = jax.jit(jax.value_and_grad(_sharded_loss, argnums=(0, 2, 3)))
+_WHOLE = jax.jit(jax.value_and_grad(_whole_loss, argnums=(0, 2, 3)))
+
+
+@pytest.mark.parametrize("n,routing", [(2, "random"), (4, "random"),
+                                       (4, "one_expert"), (4, "one_shard")])
+def test_expert_parallel_dispatch_equals_one_device(n, routing):
+  """The exchange on n shards (vmapped) against `dispatch_swiglu` on all
+  tokens: the loss and the gradients of tokens, weights and combine
+  weights within 1e-6; every pair on one expert, or on one shard's
+  experts (the others empty), fills the receiver's buffer to its bound."""
+  rng = np.random.default_rng(6)
+  M, A = 6, 2
+  x = jnp.asarray(rng.normal(size=(n, M, D)), jnp.float32)
+  idx = np.stack([rng.permutation(E)[:A] for _ in range(n * M)])
+  if routing == "one_expert":
+    idx[:, 0], idx[:, 1] = 3, rng.integers(0, E, n * M)
+    idx[idx[:, 1] == 3, 1] = 2
+  elif routing == "one_shard":
+    idx = np.tile([E - 1, E - 2], (n * M, 1))
+  idx = jnp.asarray(idx.reshape(n, M, A), jnp.int32)
+  w = jnp.asarray(rng.uniform(size=(n, M, A)), jnp.float32)
+  weights = [jnp.asarray(rng.normal(size=s), jnp.float32)
+             for s in ((E, D, F), (E, D, F), (E, F, D))]
+  cot = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+  loss, g = _SHARDED(x, idx, w, weights, cot)
+  loss_ref, g_ref = _WHOLE(x, idx, w, weights, cot)
+  assert testing.rel_err(loss, loss_ref) <= 1e-6
+  for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
+    assert testing.rel_err(a, b) <= 1e-6
+
+
+def _kept_pairs(idx_nMA, cap):
+  """[n,M,A] 1.0 where a pair stays within the exchange capacity: of the
+  pairs one shard sends to one shard, the first `cap` in expert order."""
+  n, M, A = idx_nMA.shape
+  keep = np.zeros(n * M * A)
+  for s in range(n):
+    flat = idx_nMA[s].reshape(-1)
+    rank = collections.Counter()
+    for p in np.argsort(flat, kind="stable"):
+      target = flat[p] // (E // n)
+      keep[s * M * A + p] = rank[target] < cap
+      rank[target] += 1
+  return keep.reshape(n, M, A)
+
+
+def test_capacity_factor_drops_the_pairs_past_capacity():
+  """With a capacity factor the exchange equals the one-device dispatch
+  without the pairs past capacity (their combine weights zeroed); the
+  capacity is `ceil(c * M * A / n)`, and a large factor drops nothing."""
+  assert moe.exchange_capacity(6, 2, 2, 4, 0.5) == 2
+  assert moe.exchange_capacity(6, 2, 2, 4, 100.0) == 12
+  assert moe.exchange_capacity(6, 2, 2, 4) == 12
+  rng = np.random.default_rng(7)
+  n, M, A = 4, 6, 2
+  x = jnp.asarray(rng.normal(size=(n, M, D)), jnp.float32)
+  idx = np.stack([rng.permutation(E)[:A] for _ in range(n * M)])
+  idx[: n * M // 2, 0] = 1     # shard 0's experts get more than capacity
+  idx = idx.reshape(n, M, A).astype(np.int32)
+  w = jnp.asarray(rng.uniform(size=(n, M, A)), jnp.float32)
+  weights = [jnp.asarray(rng.normal(size=s), jnp.float32)
+             for s in ((E, D, F), (E, D, F), (E, F, D))]
+  keep = _kept_pairs(idx, 2)
+  assert 0 < keep.sum() < keep.size
+  y = jax.jit(functools.partial(_expert_parallel_vmapped,
+                                capacity_factor=0.5))(x, idx, w, weights)
+  y_ref = moe.dispatch_swiglu(x.reshape(-1, D), idx.reshape(-1, A),
+                              (w * keep).reshape(-1, A), *weights)
+  assert testing.rel_err(y.reshape(-1, D), y_ref) <= 1e-6
+
+
+CHECKS = os.path.join(testing.REPO, "tests", "layers_moe_checks.py")
+
+
+def test_expert_parallel_layer_on_meshes_equals_one_device():
+  """`layers_moe_checks.py` (8 fake devices): the layer under expert=2
+  and 4 meshes (beside data, fsdp, context) against no mesh."""
+  result = subprocess.run([sys.executable, CHECKS], cwd=testing.REPO,
+                          env=testing.subprocess_env(), capture_output=True,
+                          text=True, timeout=600, check=False)
+  assert result.returncode == 0, result.stderr[-4000:]
+  results = json.loads(result.stdout.strip().splitlines()[-1])
+  assert len(results) == 3 * 2 + 1 + 2, sorted(results)
+  for case, errors in results.items():
+    assert errors["y"] <= 1e-6 and errors["grads"] <= 1e-6, (case, errors)
+    assert errors["expert_grads"] <= 1e-6, (case, errors)
+    # The load counts valid tokens only, over the whole mesh.
+    assert errors["load"] == 0, (case, errors)
+    assert errors["load_total"] == errors["valid_pairs"], (case, errors)
+    assert errors["expert_spec"].startswith("P('expert'"), case
+    # The bias forces the routing: 2 experts, 1 expert, or many.
+    used = {"experts_0_and_5": 2, "all_on_expert_3": 1}
+    routing = next((r for r in used if r in case), "random")
+    assert (errors["experts_used"] == used[routing] if routing in used
+            else errors["experts_used"] > 2), (case, errors)
 
 
 def test_bad_router_dims():

@@ -36,17 +36,18 @@ TOL = 1e-5
 AUTO = jax.sharding.AxisType.Auto
 
 
-def abstract_mesh(data, fsdp, context):
-  return jax.sharding.AbstractMesh((data, fsdp, context), sharding.AXES,
-                                   axis_types=(AUTO,) * 3)
+def abstract_mesh(data, fsdp, context, expert=1):
+  return jax.sharding.AbstractMesh((data, fsdp, expert, context),
+                                   sharding.AXES, axis_types=(AUTO,) * 4)
 
 
 def placements(jaxpr, inside=False, out=None):
-  """(primitive, inside a shard_map) for every pallas_call and sort."""
+  """(primitive, inside a shard_map) for every pallas_call, sort and
+  all_to_all."""
   out = [] if out is None else out
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name in ("pallas_call", "sort"):
+    if name in ("pallas_call", "sort", "all_to_all"):
       out.append((name, inside))
     for value in eqn.params.values():
       for sub in value if isinstance(value, (list, tuple)) else [value]:
@@ -78,16 +79,22 @@ def traced_step(kda_impl="pallas", moe_impl="megablox"):
 
 
 @pytest.mark.parametrize("shape", [(1, 4, 1), (4, 1, 1), (2, 2, 1),
-                                   (1, 2, 2), (1, 1, 1)])
+                                   (1, 2, 2), (1, 1, 1), (1, 2, 1, 2),
+                                   (1, 1, 1, 4)])
 def test_kernels_and_sorts_run_inside_shard_map(shape):
   found = collections.Counter(placements(traced_step()(abstract_mesh(
       *shape))))
   # 3 KDA layers' forward and backward kernels, 3 MoE layers' grouped
-  # matmuls and their sorts: all of them inside shard_map.
+  # matmuls and their sorts (with an `expert` axis, also the sort of the
+  # received pairs and the token exchange, 3 all_to_alls forward and 2
+  # back per layer): all of them inside shard_map.
+  expert = len(shape) == 4
   assert found[("pallas_call", False)] == 0, found
   assert found[("sort", False)] == 0, found
+  assert found[("all_to_all", False)] == 0, found
   assert found[("pallas_call", True)] >= 3 * 2 + 3 * 3, found
-  assert found[("sort", True)] == 3, found
+  assert found[("sort", True)] == (6 if expert else 3), found
+  assert found[("all_to_all", True)] == (3 * 5 if expert else 0), found
 
 
 def test_xla_paths_sort_inside_shard_map():
@@ -139,7 +146,7 @@ def _apply_under(mesh, B, T=16):
 
 def test_batch_that_does_not_divide_over_the_mesh():
   with pytest.raises(ValueError, match="B = 3 rows is not a multiple of the "
-                     "4 data x fsdp devices"):
+                     "4 data x fsdp x expert devices"):
     _apply_under(abstract_mesh(2, 2, 1), 3)
   with pytest.raises(ValueError, match="not a multiple of mesh.context"):
     _apply_under(abstract_mesh(1, 1, 4), 2, T=18)
@@ -156,8 +163,19 @@ def test_batch_checked_against_the_mesh_before_tracing():
   mesh = abstract_mesh(2, 2, 1)
   sharding.check_batch_shape(mesh, 8, 128)
   with pytest.raises(ValueError, match="config.data.batch_size 6 is not a "
-                     "multiple of the 4 data x fsdp devices"):
+                     "multiple of the 4 data x fsdp x expert devices"):
     sharding.check_batch_shape(mesh, 6, 128)
   with pytest.raises(ValueError, match="config.data.seq_len 100 is not a "
                      "multiple of config.mesh.context = 8"):
     sharding.check_batch_shape(abstract_mesh(1, 1, 8), 4, 100)
+  with pytest.raises(ValueError, match="batch_size 4 is not a multiple of "
+                     "the 8 data x fsdp x expert devices"):
+    sharding.check_batch_shape(abstract_mesh(2, 1, 1, 4), 4, 128)
+
+
+def test_experts_that_do_not_divide_over_the_expert_axis():
+  """E = 8 over expert = 3: refused when the layer is traced (and before,
+  by `check_expert_axis`, see parallel_sharding_test.py)."""
+  with pytest.raises(ValueError, match="num_experts = 8 is not a multiple "
+                     "of config.mesh.expert = 3"):
+    _apply_under(abstract_mesh(1, 1, 1, 3), 3)

@@ -25,15 +25,67 @@ def test_fsdp_shardings():
 def test_make_mesh_sizes_and_errors():
   mesh = sharding.make_mesh(ml_collections.ConfigDict(dict(data=-1, fsdp=1)))
   assert dict(mesh.shape) == {"data": jax.device_count(), "fsdp": 1,
-                              "context": 1}
+                              "expert": 1, "context": 1}
   assert sharding.batch_sharding(mesh).spec == jax.sharding.PartitionSpec(
-      ("data", "fsdp"), "context")
+      ("data", "fsdp", "expert"), "context")
   with pytest.raises(ValueError, match="does not match"):
     sharding.make_mesh(ml_collections.ConfigDict(
         dict(data=jax.device_count() + 1, fsdp=1)))
   with pytest.raises(ValueError, match="does not match"):
     sharding.make_mesh(ml_collections.ConfigDict(
         dict(data=1, fsdp=1, context=jax.device_count() + 1)))
-  for bad in (dict(fsdp=0), dict(fsdp=1, context=0)):
+  with pytest.raises(ValueError, match="expert=2 x context=1 does not "
+                     "match"):
+    sharding.make_mesh(ml_collections.ConfigDict(
+        dict(data=jax.device_count(), fsdp=1, expert=2)))
+  for bad in (dict(fsdp=0), dict(fsdp=1, context=0), dict(fsdp=1, expert=0)):
     with pytest.raises(ValueError, match="must be >= 1"):
       sharding.make_mesh(ml_collections.ConfigDict(dict(data=-1, **bad)))
+
+
+def _abstract_mesh(fsdp, expert):
+  return jax.sharding.AbstractMesh(
+      (1, fsdp, expert, 1), sharding.AXES,
+      axis_types=(jax.sharding.AxisType.Auto,) * 4)
+
+
+def test_routed_experts_split_over_the_expert_axis():
+  """E over `expert` for the routed experts' weights and their optimizer
+  moments (also under a leading stacked axis); fsdp on their largest other
+  dimension; every other parameter by `leaf_spec` alone."""
+  P = jax.sharding.PartitionSpec
+  params = {"layer_1/moe": {"gate_proj": np.zeros((8, 4, 6)),
+                            "down_proj": np.zeros((8, 6, 4)),
+                            "router": np.zeros((4, 8))},
+            "layer_1/moe/shared_experts/gate_proj": {"w": np.zeros((4, 6))},
+            "stack/moe": {"up_proj": np.zeros((3, 8, 4, 6))},
+            "layer_0/mlp/gate_proj": {"w": np.zeros((8, 4, 6))}}
+  state = {"params": params, "mu": params}
+  abstract = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, np.float32), state)
+  specs = jax.tree.map(lambda s: s.spec, sharding.state_shardings(
+      abstract, _abstract_mesh(2, 4)))
+  for tree in (specs["params"], specs["mu"]):
+    assert tree["layer_1/moe"]["gate_proj"] == P("expert", None, "fsdp")
+    assert tree["layer_1/moe"]["down_proj"] == P("expert", "fsdp", None)
+    assert tree["stack/moe"]["up_proj"] == P(None, "expert", None, "fsdp")
+    assert tree["layer_1/moe"]["router"] == sharding.leaf_spec((4, 8), 2)
+    assert tree["layer_1/moe/shared_experts/gate_proj"]["w"] == P(
+        None, "fsdp")
+    assert tree["layer_0/mlp/gate_proj"]["w"] == P("fsdp", None, None)
+  # expert = 1: the FSDP rule alone, as before the expert axis existed.
+  specs = sharding.state_shardings(abstract, _abstract_mesh(2, 1))
+  assert specs["params"]["layer_1/moe"]["gate_proj"].spec == P(
+      "fsdp", None, None)
+  assert sharding.expert_leaf_spec((8, 4, 6), 1, 2) == P(
+      "expert", None, None)
+
+
+def test_check_expert_axis():
+  sharding.check_expert_axis(1, 0)
+  sharding.check_expert_axis(4, 8)
+  with pytest.raises(ValueError, match="num_experts = 8 is not a multiple "
+                     "of config.mesh.expert = 3"):
+    sharding.check_expert_axis(3, 8)
+  with pytest.raises(ValueError, match="the model has none"):
+    sharding.check_expert_axis(2, 0)

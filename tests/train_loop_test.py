@@ -259,7 +259,7 @@ def test_nan_loss_stops_without_saving(tmp_path, data_dir, cache_dir,
 
 
 # Four fake devices, one process: runs given as JSON
-# [[data, fsdp, context, steps, workdir], ...] in argv[2].
+# [[mesh sizes {axis: size}, steps, workdir], ...] in argv[2].
 _FOUR_DEVICES = """
 import importlib.util
 import json
@@ -277,10 +277,9 @@ spec = importlib.util.spec_from_file_location("tiny", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 assert jax.device_count() == 4, jax.devices()
-for data, fsdp, context, steps, workdir in json.loads(sys.argv[2]):
+for sizes, steps, workdir in json.loads(sys.argv[2]):
   config = module.get_config()
-  config.mesh.data, config.mesh.fsdp, config.mesh.context = (
-      data, fsdp, context)
+  config.mesh.update(sizes)
   config.train.num_steps = steps
   print("mesh", dict(sharding.make_mesh(config.mesh).shape))
   state = train_loop.train_and_evaluate(config, workdir)
@@ -289,14 +288,20 @@ for data, fsdp, context, steps, workdir in json.loads(sys.argv[2]):
 
 
 def _run_four_devices(config_file, runs, cache_dir):
+  """Runs `[(data, fsdp, context[, expert]), steps, workdir]` on 4 fake
+  devices, one process; checks each run used all of them."""
+  axes = ("data", "fsdp", "context", "expert")
+  runs = [(dict(zip(axes[:len(mesh)], mesh, strict=True)), steps, workdir)
+          for mesh, steps, workdir in runs]
   result = subprocess.run(
       [sys.executable, "-c", _FOUR_DEVICES, config_file, json.dumps(runs)],
       cwd=REPO, capture_output=True, text=True, timeout=900, check=False,
       env=testing.subprocess_env(
           cache_dir, "--xla_force_host_platform_device_count=4"))
   assert result.returncode == 0, result.stderr[-4000:]
-  meshes = [f"{{'data': {d}, 'fsdp': {f}, 'context': {c}}}"
-            for d, f, c, _, _ in runs]
+  meshes = [f"{{'data': {m['data']}, 'fsdp': {m['fsdp']}, 'expert': "
+            f"{m.get('expert', 1)}, 'context': {m['context']}}}"
+            for m, _, _ in runs]
   assert result.stdout.split("\n")[:2 * len(runs)] == [
       line for mesh in meshes for line in (f"mesh {mesh}", "devices 4")
   ], result.stdout
@@ -320,9 +325,9 @@ def test_four_devices_match_one(tmp_path, data_dir, cache_dir):
   train_loop.train_and_evaluate(tiny_config(data_dir, **common), one)
   workdirs = [str(tmp_path / name) for name in ("four", "fsdp_context")]
   config_file = write_config_file(tmp_path, data_dir, **common)
-  _run_four_devices(config_file, [(4, 1, 1, 3, workdirs[0]),
-                                  (1, 2, 2, 2, workdirs[1]),
-                                  (4, 1, 1, 3, workdirs[1])], cache_dir)
+  _run_four_devices(config_file, [((4, 1, 1), 3, workdirs[0]),
+                                  ((1, 2, 2), 2, workdirs[1]),
+                                  ((4, 1, 1), 3, workdirs[1])], cache_dir)
   expected, expected_eval = train_rows(one), eval_losses(one)
   assert sorted(expected_eval) == [3]
   for workdir in workdirs:
@@ -346,6 +351,27 @@ def test_ten_steps_on_each_mesh_match_one_device(tmp_path, data_dir,
                     cache_dir)
   for *_, workdir in runs:
     _assert_same_rows(workdir, train_rows(one), list(range(1, 11)))
+
+
+def test_expert_parallel_runs_match_one_device(tmp_path, data_dir,
+                                               cache_dir):
+  """10 steps with the routed experts split over expert=4 (steps 1-5),
+  then, resumed from the step-5 checkpoint, over expert=2 x data=2 (steps
+  6-10), reproduce the one-device losses and gradient norms (1e-5)."""
+  common = dict(train__num_steps=10, eval__every_steps=0,
+                checkpoint__every_steps=5)
+  one = str(tmp_path / "one")
+  train_loop.train_and_evaluate(tiny_config(data_dir, **common), one)
+  workdir = str(tmp_path / "expert")
+  _run_four_devices(write_config_file(tmp_path, data_dir, **common),
+                    [((1, 1, 1, 4), 5, workdir),
+                     ((2, 1, 1, 2), 10, workdir)], cache_dir)
+  rows = train_rows(workdir)
+  assert [r["step"] for r in rows] == list(range(1, 11))
+  for row, want in zip(rows, train_rows(one), strict=True):
+    for key in ("loss", "grad_norm"):
+      np.testing.assert_allclose(row[key], want[key], rtol=1e-5,
+                                 err_msg=f"step {row['step']} {key}")
 
 
 # ---------------------------------------------------------------------------

@@ -57,7 +57,8 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
 
   Raises:
     ValueError: an unknown or missing section or key (the message names it),
-      a value out of range, or data with more token ids than the model.
+      a value out of range, data with more token ids than the model, or
+      routed experts that do not divide over `config.mesh.expert`.
   """
   keys = set(config.keys()) if hasattr(config, "keys") else set()
   unknown = sorted(keys - set(SECTIONS))
@@ -73,6 +74,7 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
       for name, cls in config_lib.SECTIONS.items()}
   run = RunConfig(data=pipeline.DataConfig.from_config(config.data),
                   **sections)
+  sharding.check_expert_axis(run.mesh.expert, run.model.num_experts)
   data_vocab = run.data.vocab_size()
   if data_vocab > run.model.vocab_size:
     raise ValueError(

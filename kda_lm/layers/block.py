@@ -90,7 +90,8 @@ class DecoderBlock(hk.Module):
           routed_scaling_factor=cfg.routed_scaling_factor,
           n_group=cfg.n_group, topk_group=cfg.topk_group,
           renormalize=cfg.moe_renormalize, param_dtype=pdt,
-          impl=cfg.moe_impl, name="moe")(
+          impl=cfg.moe_impl, capacity_factor=cfg.moe_capacity_factor,
+          name="moe")(
               h, None if segment_ids is None else segment_ids != 0)
     out = x + ad_checkpoint.checkpoint_name(h, FFN_OUT), load
     return out + (cache,) if with_cache else out

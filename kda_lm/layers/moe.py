@@ -25,6 +25,22 @@ scores. Under a device mesh the sort and the grouped matmuls run inside
 (`context_parallel.token_map`): GSPMD can partition neither a global sort
 nor a Pallas kernel.
 
+Expert parallelism (a mesh `expert` axis of n > 1 devices,
+`expert_parallel_swiglu`): each device holds E/n experts. It sorts its
+own pairs by expert, which puts them in the order of the devices owning
+the experts, exchanges the per-expert pair counts with every device, then
+the pairs' token vectors (`all_to_all` over `expert` of an [n, cap, D]
+buffer: slot j holds the pairs for device j), runs its local experts as
+grouped matmuls over what it received, and sends the results back the
+same way. By default no pair is dropped: a device sends at most `cap = M
+* min(A, E/n)` pairs to one device (a token's A experts are distinct), so
+the buffer always holds them; the price is that bound's padding in the
+buffer, the exchange and the grouped matmuls' rows (n times the pairs
+when E/n >= A). With a capacity factor c (`capacity_factor`, logged when
+traced) `cap = min(that, ceil(c * M * A / n))`: of the pairs a device
+sends to one device, those past `cap` in expert order are dropped (they
+add nothing to their token's output); see docs/expert_parallel.md.
+
 The selection bias `e_score_correction_bias [E]` is a float32 parameter that
 gradients never reach (`stop_gradient`); the training step moves it with
 `update_selection_biases` from the observed load:
@@ -33,8 +49,10 @@ experts and lowering over-loaded ones.
 """
 
 import functools
+import math
 from typing import NamedTuple, Optional
 
+from absl import logging
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -197,37 +215,137 @@ def dispatch_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
   E = w_gate_EDF.shape[0]
   flat = idx.reshape(-1)                                     # [M*A]
   order = jnp.argsort(flat, stable=True)
-  token = order // A
   sizes = jnp.bincount(flat, length=E).astype(jnp.int32)    # [E]
-  xs = x_MD[token]                                           # [M*A,D]
-  dt = x_MD.dtype
-  mm = functools.partial(gmm.gmm, group_sizes=sizes, impl=impl)
-  h = jax.nn.silu(mm(xs, w_gate_EDF.astype(dt))) * mm(xs, w_up_EDF.astype(dt))
-  out = mm(h, w_down_EFD.astype(dt))                         # [M*A,D]
-  inverse = jnp.zeros_like(order).at[order].set(
+  out = _grouped_swiglu(x_MD[order // A], sizes, w_gate_EDF, w_up_EDF,
+                        w_down_EFD, impl)                    # [M*A,D]
+  out = out[_inverse(order)].reshape(M, A, -1)
+  return _combine(out, w, x_MD.dtype)
+
+
+def _inverse(order):
+  """The inverse of a permutation."""
+  return jnp.zeros_like(order).at[order].set(
       jnp.arange(order.shape[0], dtype=order.dtype))
-  out = out[inverse].reshape(M, A, -1)
-  return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32),
+
+
+def _combine(out_MAD, w, dt):
+  """`sum_j w[n,j] out[n,j]` in float32, cast to `dt`."""
+  return jnp.einsum("nkd,nk->nd", out_MAD.astype(jnp.float32),
                     w.astype(jnp.float32)).astype(dt)
 
 
-def _dispatch(x, idx, w, weights, impl):
+def _grouped_swiglu(rows, sizes, w_gate_EDF, w_up_EDF, w_down_EFD, impl):
+  """Rows sorted by expert (`sizes` per expert) through their SwiGLUs."""
+  dt = rows.dtype
+  mm = functools.partial(gmm.gmm, group_sizes=sizes, impl=impl)
+  h = jax.nn.silu(mm(rows, w_gate_EDF.astype(dt))) * mm(
+      rows, w_up_EDF.astype(dt))
+  return mm(h, w_down_EFD.astype(dt))
+
+
+def exchange_capacity(M: int, A: int, E: int, shards: int,
+                      capacity_factor: Optional[float] = None) -> int:
+  """Pairs one device takes from each device (`expert_parallel_swiglu`):
+  the no-drop bound `M * min(A, E)` (E local experts), or less with a
+  capacity factor."""
+  bound = M * min(A, E)
+  if capacity_factor is None:
+    return bound
+  return max(1, min(bound, math.ceil(capacity_factor * M * A / shards)))
+
+
+def expert_parallel_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
+                           w_gate_EDF: jax.Array, w_up_EDF: jax.Array,
+                           w_down_EFD: jax.Array, *, shards: int,
+                           impl: str = "auto",
+                           capacity_factor: Optional[float] = None
+                           ) -> jax.Array:
+  """`dispatch_swiglu` with the experts split over `shards` devices.
+
+  Runs inside `context_parallel.expert_map`: this device's tokens, its
+  E/n experts (here `E` is that local count); expert ids are global.
+
+  Args:
+    x_MD: [M,D] this device's tokens.
+    idx: [M,A] global expert ids in [0, shards * E).
+    w: [M,A] combine weights.
+    w_gate_EDF, w_up_EDF: [E,D,F] this device's experts' input weights.
+    w_down_EFD: [E,F,D] their output weights.
+    shards: n, the `expert` axis size.
+    impl: the grouped matmul's implementation.
+    capacity_factor: None (no pair dropped) or c (`exchange_capacity`).
+
+  Returns:
+    [M,D] in `x_MD`'s dtype.
+  """
+  M, A = idx.shape
+  E, D = w_gate_EDF.shape[:2]
+  cap = exchange_capacity(M, A, E, shards, capacity_factor)
+  flat = idx.reshape(-1)                                     # [M*A]
+  order = jnp.argsort(flat, stable=True)
+  counts = jnp.bincount(flat, length=shards * E).astype(jnp.int32).reshape(
+      shards, E)                                             # per target
+  send = counts.sum(1)
+  start = jnp.cumsum(send) - send
+  # Pairs kept per target expert: the first `cap` to each device.
+  before = jnp.cumsum(counts, axis=1) - counts
+  counts = jnp.clip(cap - before, 0, counts)
+  slot = jnp.arange(cap, dtype=jnp.int32)
+  pair = order[jnp.minimum(start[:, None] + slot, M * A - 1)]  # [n,cap]
+  used = (slot < counts.sum(1)[:, None])[..., None]
+  buf = jnp.where(used, x_MD[pair // A], jnp.zeros((), x_MD.dtype))
+  got_counts = context_parallel.expert_exchange(counts)      # [n,E] by src
+  got = context_parallel.expert_exchange(buf)                # [n,cap,D]
+  # Each source's rows come sorted by local expert; `E` marks empty slots.
+  ends = jnp.cumsum(got_counts, axis=1)
+  local = (slot[None, :, None] >= ends[:, None, :]).sum(-1).reshape(-1)
+  perm = jnp.argsort(local, stable=True)
+  out = _grouped_swiglu(got.reshape(-1, D)[perm], got_counts.sum(0),
+                        w_gate_EDF, w_up_EDF, w_down_EFD, impl)
+  back = context_parallel.expert_exchange(
+      out[_inverse(perm)].reshape(shards, cap, D))           # [n,cap,D]
+  target = flat // E
+  at = _inverse(order) - start[target]
+  out = jnp.where((at < cap)[:, None], back[target, jnp.minimum(at, cap - 1)],
+                  jnp.zeros((), back.dtype))
+  return _combine(out.reshape(M, A, D), w, x_MD.dtype)
+
+
+def _dispatch(x, idx, w, weights, impl, capacity_factor):
   """`dispatch_swiglu` of `x` ([B,T,D] or [M,D]): [M,D]. Under a device
-  mesh each device sorts and runs only its own tokens."""
+  mesh each device sorts and runs only its own tokens; with an `expert`
+  axis, through the experts of every device on that axis."""
   D, A = x.shape[-1], idx.shape[-1]
   if x.ndim != 3 or not context_parallel.under_mesh():
     return dispatch_swiglu(x.reshape(-1, D), idx, w, *weights, impl=impl)
   B, T = x.shape[:2]
 
+  shards = context_parallel.expert_size()
+
   def local(x_BTD, idx_BTA, w_BTA, *weights):
     b, t = x_BTD.shape[:2]
-    return dispatch_swiglu(x_BTD.reshape(-1, D), idx_BTA.reshape(-1, A),
-                           w_BTA.reshape(-1, A), *weights,
-                           impl=impl).reshape(b, t, D)
+    args = (x_BTD.reshape(-1, D), idx_BTA.reshape(-1, A),
+            w_BTA.reshape(-1, A), *weights)
+    if shards > 1:
+      cap = exchange_capacity(b * t, A, weights[0].shape[0], shards,
+                              capacity_factor)
+      logging.info("Expert-parallel MoE: %d experts per device of %d, %d "
+                   "tokens per device, capacity factor %s: %d pairs from "
+                   "each device.", weights[0].shape[0],
+                   weights[0].shape[0] * shards, b * t, capacity_factor, cap)
+      y = expert_parallel_swiglu(*args, shards=shards, impl=impl,
+                                 capacity_factor=capacity_factor)
+    else:
+      y = dispatch_swiglu(*args, impl=impl)
+    return y.reshape(b, t, D)
 
-  return context_parallel.token_map(
-      local, [x, idx.reshape(B, T, A), w.reshape(B, T, A)], list(weights),
-      check_vma=gmm.resolve_impl(impl) != "megablox").reshape(-1, D)
+  tokens = [x, idx.reshape(B, T, A), w.reshape(B, T, A)]
+  check_vma = gmm.resolve_impl(impl) != "megablox"
+  if shards > 1:
+    return context_parallel.expert_map(local, tokens, list(weights),
+                                       check_vma).reshape(-1, D)
+  return context_parallel.token_map(local, tokens, list(weights),
+                                    check_vma).reshape(-1, D)
 
 
 class MoE(hk.Module):
@@ -238,6 +356,7 @@ class MoE(hk.Module):
                routed_scaling_factor: float = 1.0, n_group: int = 1,
                topk_group: int = 1, renormalize: bool = True,
                param_dtype=jnp.float32, impl: str = "auto",
+               capacity_factor: Optional[float] = None,
                name: Optional[str] = None):
     """Initialises the module.
 
@@ -254,6 +373,8 @@ class MoE(hk.Module):
       param_dtype: dtype of the expert weights (router weight and bias are
         float32).
       impl: the routed experts' grouped matmul (`kda_lm.ops.gmm`).
+      capacity_factor: under expert parallelism, None (no pair dropped)
+        or the exchange's capacity factor (`exchange_capacity`).
       name: module name.
 
     Raises:
@@ -272,6 +393,7 @@ class MoE(hk.Module):
                         renormalize=renormalize)
     self.param_dtype = param_dtype
     self.impl = impl
+    self.capacity_factor = capacity_factor
 
   def __call__(self, x: jax.Array, valid: Optional[jax.Array] = None
                ) -> tuple[jax.Array, jax.Array]:
@@ -300,7 +422,8 @@ class MoE(hk.Module):
     w_gate = hk.get_parameter("gate_proj", [E, D, F], pdt, init=init_in)
     w_up = hk.get_parameter("up_proj", [E, D, F], pdt, init=init_in)
     w_down = hk.get_parameter("down_proj", [E, F, D], pdt, init=init_out)
-    y = _dispatch(x, idx, w, (w_gate, w_up, w_down), self.impl)
+    y = _dispatch(x, idx, w, (w_gate, w_up, w_down), self.impl,
+                  self.capacity_factor)
     if self.num_shared:
       y = y + mlp.SwiGLU(self.num_shared * F, param_dtype=pdt,
                          name="shared_experts")(x_MD)

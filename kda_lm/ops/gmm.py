@@ -18,8 +18,9 @@ and a `[G,M,...]`-sized temporary. Implementations (`impl`):
   unwritten; interpret mode on CPU.
 * "xla": the portable path. The rows are cut into tiles of `tm`; a work
   item is one (tile, group) pair whose rows overlap, at most
-  `M/tm + G - 1` of them. A `fori_loop` over the items multiplies each
-  tile, masked to its group's rows, by its group's matrix, so FLOPs are
+  `M/tm + G - 1` of them (fewer when rows lie past the groups: the loop
+  stops at the last real item). A `fori_loop` over the items multiplies
+  each tile, masked to its group's rows, by its group's matrix, so FLOPs are
   `2*tm*K*N` per item (the useful work plus at most G - 1 partial tiles;
   `default_tile_m` keeps them under M/4 rows) and memory is that of the
   inputs and outputs. The VJP is the same loop:
@@ -193,6 +194,13 @@ def _work_items(group_sizes, num_tiles, tm):
   return jnp.where(valid, tile, 0), group, valid, starts, ends
 
 
+def _item_count(items):
+  """The real work items (they come first): the loop's trip count, so
+  that rows past the groups (an exchange buffer's padding) cost nothing.
+  The loop runs inside the custom VJP and is never differentiated."""
+  return jnp.sum(items[2].astype(jnp.int32))
+
+
 def _tile_rows(x, items, i, tm):
   """Item i's tile of `x` [Mp,...] masked to its group's rows; row offset."""
   tile, group, valid, starts, ends = items
@@ -234,7 +242,7 @@ def _loop_gmm(lhs, rhs, group_sizes, tm):
 
   out = _varying_like(jnp.zeros((Mp, rhs.shape[2]), jnp.float32), lhs, rhs,
                       group_sizes)
-  out = jax.lax.fori_loop(0, items[0].shape[0], body, out)
+  out = jax.lax.fori_loop(0, _item_count(items), body, out)
   return out[:M]
 
 
@@ -255,7 +263,7 @@ def _loop_weight_grad(lhs, dout, group_sizes, num_groups, tm):
   acc = _varying_like(
       jnp.zeros((num_groups, lhs.shape[1], dout.shape[1]), jnp.float32),
       lhs, dout, group_sizes)
-  return jax.lax.fori_loop(0, items[0].shape[0], body, acc)
+  return jax.lax.fori_loop(0, _item_count(items), body, acc)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -13,7 +13,10 @@ call (Mosaic refuses; a Triton call is replicated) nor a sort of all tokens
 * KDA (`chunk_kda`) runs inside `jax.shard_map` over the row axes (`data`,
   `fsdp`) and `context`; each device calls the op on its own rows.
 * The MoE dispatch (`token_map`) sorts and multiplies each device's own
-  tokens.
+  tokens; with an `expert` axis of size > 1 (`expert_map`) each device
+  holds E/n of the routed experts, and the (token, expert) pairs travel
+  to the devices that own their experts and back (`expert_exchange`,
+  `all_to_all` over `expert`).
 
 With a `context` axis of size n > 1 (context parallelism) the
 sequence-mixing cores also exchange what crosses a shard boundary:
@@ -49,6 +52,7 @@ from kda_lm.parallel import sharding
 
 P = jax.sharding.PartitionSpec
 CONTEXT_AXIS = sharding.CONTEXT_AXIS
+EXPERT_AXIS = sharding.EXPERT_AXIS
 
 
 def _mesh() -> Optional[Any]:
@@ -70,10 +74,19 @@ def context_size() -> int:
   return int(mesh.shape[CONTEXT_AXIS])
 
 
+def expert_size() -> int:
+  """Devices the routed experts are split over: the ambient mesh's
+  `expert` size (1 without one)."""
+  mesh = _mesh()
+  if mesh is None or EXPERT_AXIS not in mesh.axis_names:
+    return 1
+  return int(mesh.shape[EXPERT_AXIS])
+
+
 def _batch_axes(mesh) -> tuple[str, ...]:
-  """The mesh axes that shard rows (`data`, `fsdp`, those present)."""
-  return tuple(a for a in (sharding.DATA_AXIS, sharding.FSDP_AXIS)
-               if a in mesh.axis_names)
+  """The mesh axes that shard rows (`data`, `fsdp`, `expert`, those
+  present)."""
+  return tuple(a for a in sharding.ROW_AXES if a in mesh.axis_names)
 
 
 def check_shape(B: int, T: int, what: str) -> int:
@@ -85,7 +98,8 @@ def check_shape(B: int, T: int, what: str) -> int:
   Raises:
     ValueError: a mesh with axes other than Auto, or with an axis this
       module does not know, T not a multiple of the `context` size, or B
-      of the devices the rows are sharded over.
+      of the devices the rows are sharded over (`data` x `fsdp` x
+      `expert`).
   """
   mesh = _mesh()
   if mesh is None:
@@ -107,7 +121,7 @@ def check_shape(B: int, T: int, what: str) -> int:
                      f"per row is not a multiple of mesh.context = {n}.")
   if B % rows:
     raise ValueError(f"{what} on the device mesh: B = {B} rows is not a "
-                     f"multiple of the {rows} data x fsdp devices.")
+                     f"multiple of the {rows} data x fsdp x expert devices.")
   return n
 
 
@@ -433,3 +447,38 @@ def token_map(fn: Callable[..., jax.Array], tokens: Sequence[jax.Array],
   rows = _row_spec(_mesh())
   specs = (rows,) * len(tokens) + (P(),) * len(replicated)
   return _shard_map(fn, specs, rows, check_vma)(*tokens, *replicated)
+
+
+def expert_map(fn: Callable[..., jax.Array], tokens: Sequence[jax.Array],
+               experts: Sequence[jax.Array], check_vma: bool = True
+               ) -> jax.Array:
+  """`token_map` with the routed experts split over the `expert` axis.
+
+  Args:
+    fn: `fn(*tokens, *experts)` on the shard's [B,T/n,...] slices and its
+      E/n experts ([E/n,...] slices of each expert array), returning
+      [B,T/n,...]; it exchanges tokens with `expert_exchange`.
+    tokens: [B,T,...] arrays (global).
+    experts: [E,...] arrays (global), split along E over `expert`.
+    check_vma: shard_map's varying-axes check (False for Pallas calls).
+
+  Returns:
+    [B,T,...] (global).
+
+  Raises:
+    ValueError: the shapes `check_shape` refuses, or E not a multiple of
+      the `expert` size.
+  """
+  B, T = tokens[0].shape[:2]
+  check_shape(B, T, "The expert-parallel MoE")
+  sharding.check_expert_axis(expert_size(), experts[0].shape[0])
+  rows = _row_spec(_mesh())
+  specs = (rows,) * len(tokens) + (P(EXPERT_AXIS),) * len(experts)
+  return _shard_map(fn, specs, rows, check_vma)(*tokens, *experts)
+
+
+def expert_exchange(x: jax.Array) -> jax.Array:
+  """Inside `expert_map`'s `fn`: `x[j]` ([n,...], one slice per `expert`
+  shard) goes to shard j; returns [n,...] whose slice s came from shard s
+  (its `x[me]`). Its own inverse: a second call sends replies back."""
+  return jax.lax.all_to_all(x, EXPERT_AXIS, 0, 0)

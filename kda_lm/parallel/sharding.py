@@ -1,10 +1,14 @@
-"""Devices and sharding: the (`data`, `fsdp`, `context`) mesh, and the
-shardings of the train state and of the batches.
+"""Devices and sharding: the (`data`, `fsdp`, `expert`, `context`) mesh,
+and the shardings of the train state and of the batches.
 
-The batch rows are sharded over `data` and `fsdp`, its tokens over `context`
-(context parallelism, `kda_lm.parallel.context`); parameters and optimizer
-state over `fsdp` only (each array along its largest dimension that `fsdp`
-divides), so `fsdp=1` and `context=1` is plain data parallelism.
+The batch rows are sharded over `data`, `fsdp` and `expert`, its tokens
+over `context` (context parallelism, `kda_lm.parallel.context`);
+parameters and optimizer state over `fsdp` (each array along its largest
+dimension that `fsdp` divides), so `fsdp=1`, `expert=1` and `context=1` is
+plain data parallelism. The routed experts' weights `[E,D,F]` / `[E,F,D]`
+(and their optimizer moments) are also split along E over `expert`
+(`expert_leaf_spec`, expert parallelism): every other layer sees `expert`
+as more data parallelism.
 """
 
 from typing import Any, Mapping
@@ -16,44 +20,67 @@ PyTree = Any
 P = jax.sharding.PartitionSpec
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
+EXPERT_AXIS = "expert"
 CONTEXT_AXIS = "context"
-AXES = (DATA_AXIS, FSDP_AXIS, CONTEXT_AXIS)
+AXES = (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS, CONTEXT_AXIS)
+# The axes batch rows are split over.
+ROW_AXES = (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS)
+# The routed experts' weights: parameter names inside a `.../moe` module.
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
 
 def make_mesh(mesh_config: Any, devices: list[Any] | None = None
               ) -> jax.sharding.Mesh:
-  """A (`data`, `fsdp`, `context`) mesh over all devices.
+  """A (`data`, `fsdp`, `expert`, `context`) mesh over all devices.
 
   Args:
     mesh_config: `config.mesh` (ConfigDict or `kda_lm.config.MeshConfig`);
-      `data = -1` takes the devices `fsdp` and `context` leave; a config
-      without `context` means 1.
+      `data = -1` takes the devices `fsdp`, `expert` and `context` leave; a
+      config without `expert` or `context` means 1.
     devices: default `jax.devices()` (all processes).
 
   Returns:
     The mesh.
 
   Raises:
-    ValueError: the axis sizes do not multiply to the device count.
+    ValueError: an axis size below 1, or sizes that do not multiply to the
+      device count.
   """
   devices = list(jax.devices() if devices is None else devices)
   fsdp = int(mesh_config.fsdp)
   data = int(mesh_config.data)
+  expert = int(getattr(mesh_config, "expert", 1))
   context = int(getattr(mesh_config, "context", 1))
-  if fsdp < 1 or context < 1 or (data < 1 and data != -1):
-    raise ValueError(f"config.mesh.fsdp and config.mesh.context must be >= 1 "
+  if min(fsdp, expert, context) < 1 or (data < 1 and data != -1):
+    raise ValueError(f"config.mesh.fsdp, expert and context must be >= 1 "
                      f"and config.mesh.data >= 1 or -1, got {fsdp}, "
-                     f"{context}, {data}.")
+                     f"{expert}, {context}, {data}.")
   if data == -1:
-    data = len(devices) // (fsdp * context)
-  if data * fsdp * context != len(devices):
+    data = len(devices) // (fsdp * expert * context)
+  if data * fsdp * expert * context != len(devices):
     raise ValueError(f"config.mesh data={data} x fsdp={fsdp} x "
-                     f"context={context} does not match the {len(devices)} "
-                     "devices.")
+                     f"expert={expert} x context={context} does not match "
+                     f"the {len(devices)} devices.")
   auto = jax.sharding.AxisType.Auto
-  return jax.make_mesh((data, fsdp, context),
-                       (DATA_AXIS, FSDP_AXIS, CONTEXT_AXIS),
-                       axis_types=(auto,) * 3, devices=devices)
+  return jax.make_mesh((data, fsdp, expert, context), AXES,
+                       axis_types=(auto,) * len(AXES), devices=devices)
+
+
+def check_expert_axis(expert: int, num_experts: int) -> None:
+  """Checks, before anything is traced, that the routed experts divide
+  over `config.mesh.expert` devices.
+
+  Raises:
+    ValueError: `expert > 1` with a dense model (`num_experts == 0`), or
+      `num_experts` not a multiple of `expert`.
+  """
+  if expert > 1 and not num_experts:
+    raise ValueError(f"config.mesh.expert = {expert} shards routed experts, "
+                     "but the model has none (config.model.num_experts = "
+                     "0); use config.mesh.expert = 1.")
+  if num_experts and num_experts % expert:
+    raise ValueError(f"config.model.num_experts = {num_experts} is not a "
+                     f"multiple of config.mesh.expert = {expert}.")
 
 
 def leaf_spec(shape: tuple[int, ...], fsdp: int, skip: int = 0) -> P:
@@ -79,10 +106,34 @@ def _stacked(path: tuple[Any, ...], prefix: str | None) -> bool:
       and k.key.startswith(prefix) for k in path)
 
 
+def is_expert_weight(path: tuple[Any, ...], shape: tuple[int, ...]
+                     ) -> bool:
+  """Whether a state leaf is a routed expert weight (or a moment of one):
+  a `gate_proj`, `up_proj` or `down_proj` of a `.../moe` module, whose E
+  dimension is the third from last (leading stacked axes allowed)."""
+  keys = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+  return (len(shape) >= 3 and len(keys) >= 2 and keys[-1] in EXPERT_WEIGHTS
+          and keys[-2].split("/")[-1] == "moe")
+
+
+def expert_leaf_spec(shape: tuple[int, ...], fsdp: int, expert: int,
+                     skip: int = 0) -> P:
+  """A routed expert weight: E (third from last) over `expert`, and the
+  largest other dimension that `fsdp` divides over `fsdp` (`leaf_spec`'s
+  rule alone when `expert` is 1; the first `skip` dimensions never)."""
+  if expert == 1:
+    return leaf_spec(shape, fsdp, skip)
+  e_dim = len(shape) - 3
+  rest = tuple(1 if d == e_dim else n for d, n in enumerate(shape))
+  spec = list(leaf_spec(rest, fsdp, skip)) + [None] * len(shape)
+  spec[e_dim] = EXPERT_AXIS
+  return P(*spec[:len(shape)])
+
+
 def state_shardings(abstract_state: PyTree, mesh: jax.sharding.Mesh,
                     stacked_prefix: str | None = None) -> PyTree:
-  """NamedShardings for a state: FSDP over `fsdp`, replicated over `data`
-  and `context`.
+  """NamedShardings for a state: FSDP over `fsdp`, routed experts also over
+  `expert` (`expert_leaf_spec`), replicated over `data` and `context`.
 
   Args:
     abstract_state: the state's arrays or `ShapeDtypeStruct`s.
@@ -92,10 +143,16 @@ def state_shardings(abstract_state: PyTree, mesh: jax.sharding.Mesh,
       sharded: the scan slices it.
   """
   fsdp = mesh.shape[FSDP_AXIS]
+  expert = dict(mesh.shape).get(EXPERT_AXIS, 1)
+
+  def spec(path, a):
+    shape, skip = tuple(a.shape), int(_stacked(path, stacked_prefix))
+    if is_expert_weight(path, shape):
+      return expert_leaf_spec(shape, fsdp, expert, skip)
+    return leaf_spec(shape, fsdp, skip)
+
   return jax.tree_util.tree_map_with_path(
-      lambda path, a: jax.sharding.NamedSharding(
-          mesh, leaf_spec(tuple(a.shape), fsdp,
-                          int(_stacked(path, stacked_prefix)))),
+      lambda path, a: jax.sharding.NamedSharding(mesh, spec(path, a)),
       abstract_state)
 
 
@@ -111,14 +168,15 @@ def replicated(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
-  """[B,T] arrays: rows over `data` and `fsdp`, tokens over `context`."""
-  return jax.sharding.NamedSharding(mesh, P((DATA_AXIS, FSDP_AXIS),
-                                            CONTEXT_AXIS))
+  """[B,T] arrays: rows over `data`, `fsdp` and `expert`, tokens over
+  `context`."""
+  return jax.sharding.NamedSharding(mesh, P(ROW_AXES, CONTEXT_AXIS))
 
 
 def row_devices(mesh: Any) -> int:
-  """Devices the batch rows are split over (`data` x `fsdp`)."""
-  return int(mesh.shape[DATA_AXIS] * mesh.shape[FSDP_AXIS])
+  """Devices the batch rows are split over (`data` x `fsdp` x `expert`)."""
+  shape = dict(mesh.shape)
+  return int(np.prod([shape.get(a, 1) for a in ROW_AXES]))
 
 
 def check_batch_shape(mesh: Any, batch_size: int, seq_len: int,
@@ -129,13 +187,14 @@ def check_batch_shape(mesh: Any, batch_size: int, seq_len: int,
 
   Raises:
     ValueError: the rows (of each micro-batch) do not divide over `data` x
-      `fsdp`, or the tokens over `context`.
+      `fsdp` x `expert`, or the tokens over `context`.
   """
   rows = row_devices(mesh)
   if batch_size % (rows * micro_batches):
-    what = (f"{rows} data x fsdp devices (config.mesh)" if micro_batches == 1
-            else f"{rows} data x fsdp devices (config.mesh) times the "
-            f"{micro_batches} micro-batches (config.train.grad_accum_steps)")
+    what = f"{rows} data x fsdp x expert devices (config.mesh)"
+    if micro_batches > 1:
+      what += (f" times the {micro_batches} micro-batches "
+               "(config.train.grad_accum_steps)")
     raise ValueError(f"config.data.batch_size {batch_size} is not a "
                      f"multiple of the {what}.")
   context = int(mesh.shape[CONTEXT_AXIS])
