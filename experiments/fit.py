@@ -159,7 +159,8 @@ def fit(m, mesh_text: str, chip: Chip, B: int, T: int, remat: str,
         accum: int) -> Fit:
   """Compiles one step and reads its memory and FLOPs."""
   mesh_config = compile_mesh.parse_mesh(mesh_text)
-  count = mesh_config.data * mesh_config.fsdp * mesh_config.context
+  count = (mesh_config.data * mesh_config.fsdp * mesh_config.expert
+           * mesh_config.context)
   out = Fit(analytic_tflop=compile_mesh.analytic_flops(m, B, T) / count
             / 1e12)
   try:

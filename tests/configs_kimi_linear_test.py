@@ -24,4 +24,5 @@ def test_layout_and_hugging_face_config_round_trip():
   differ = {f: (getattr(back, f), getattr(cfg, f))
             for f in config.field_names(config.ModelConfig)
             if getattr(back, f) != getattr(cfg, f)}
-  assert set(differ) == {"compute_dtype"}, differ   # Not in the format.
+  # Not in the format: how the model runs, not what it is.
+  assert set(differ) == {"compute_dtype", "scan_layers"}, differ

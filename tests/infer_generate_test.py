@@ -10,6 +10,7 @@ documents of delay 1 (one repeated token) that is a perfect copier; on delay
 """
 
 import functools
+import os
 
 import infer_evaluate_test
 import jax
@@ -168,8 +169,11 @@ def test_format_tokens():
 
 def test_text_codec_of_a_run_on_a_released_tokenizer(tmp_path):
   texts = ["def f(x):\n  return x", "naïve café"]
-  path = testing.write_hf_tokenizer(str(tmp_path / "tokenizer.json"),
-                                    texts * 20, vocab_size=280)
+  # Not in the run directory, where it would be an imported model's.
+  os.makedirs(tmp_path / "tokenizer")
+  path = testing.write_hf_tokenizer(
+      str(tmp_path / "tokenizer" / "tokenizer.json"), texts * 20,
+      vocab_size=280)
   config = tiny_config(4)
   config.data.update(name="jsonl", files=str(tmp_path / "*.jsonl"),
                      tokenizer=f"hf:{path}")

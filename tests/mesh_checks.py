@@ -72,8 +72,10 @@ def step_errors(kda_impl, moe_impl):
   state = state_lib.make_init_fn(model, tx, T)(jax.random.PRNGKey(0))
   cfg = config_lib.ModelConfig.from_config(config)
   loss_fn = step_lib._loss_fn(model, cfg)  # pylint: disable=protected-access
-  grad = jax.value_and_grad(loss_fn, has_aux=True)
   batch = packed_batch()
+  denominators = step_lib._denominators(batch, cfg)  # pylint: disable=protected-access
+  grad = jax.value_and_grad(
+      lambda p, b: loss_fn(p, b, denominators), has_aux=True)
   (loss1, _), grads1 = jax.jit(grad)(state.params, batch)
   out = {}
   for name, shape in MESHES.items():

@@ -345,11 +345,11 @@ def test_ten_steps_on_each_mesh_match_one_device(tmp_path, data_dir,
   one = str(tmp_path / "one")
   train_loop.train_and_evaluate(tiny_config(data_dir, **common), one)
   runs = [(1, 4, 1), (4, 1, 1), (2, 2, 1)]
-  runs = [(*mesh, 10, str(tmp_path / f"mesh_{i}"))
+  runs = [(mesh, 10, str(tmp_path / f"mesh_{i}"))
           for i, mesh in enumerate(runs)]
   _run_four_devices(write_config_file(tmp_path, data_dir, **common), runs,
                     cache_dir)
-  for *_, workdir in runs:
+  for _, _, workdir in runs:
     _assert_same_rows(workdir, train_rows(one), list(range(1, 11)))
 
 
