@@ -185,11 +185,14 @@ def backend(platform):
     jax.default_backend = real
 
 
-def compile_step(m, mesh_config, devs, B, T, platform):
-  """The compiled training step: (compiled, seconds)."""
+def compile_step(m, mesh_config, devs, B, T, platform, remat="none",
+                 accum=1):
+  """The compiled training step (`remat` policy, `accum` micro-batches):
+  (compiled, seconds)."""
   mesh = sharding.make_mesh(mesh_config, list(devs))
   sharding.check_expert_axis(mesh_config.expert, m.num_experts)
-  model = model_lib.build(m)
+  sharding.check_batch_shape(mesh, B, T, accum)
+  model = model_lib.build(m, remat=remat)
   opt = ling3.get_config().opt
   tx, schedule = optimizer.make_optimizer(opt, 100)
   init = state_lib.make_init_fn(model, tx, T)
@@ -202,7 +205,7 @@ def compile_step(m, mesh_config, devs, B, T, platform):
   batch = dict(inputs=tok, targets=tok, segment_ids=tok, positions=tok,
                loss_mask=jax.ShapeDtypeStruct((B, T), jnp.float32,
                                               sharding=rows))
-  update = jax.jit(step_lib.make_update_fn(model, tx, schedule, m),
+  update = jax.jit(step_lib.make_update_fn(model, tx, schedule, m, accum),
                    out_shardings=(shardings, sharding.replicated(mesh)),
                    donate_argnums=0)
   start = time.time()

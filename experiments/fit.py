@@ -32,22 +32,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import dataclasses  # noqa: E402
 import importlib  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 import traceback  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
-from configs import ling3  # noqa: E402
 from experiments import compile_mesh  # noqa: E402
 import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
 from kda_lm import config as config_lib  # noqa: E402
-from kda_lm import model as model_lib  # noqa: E402
-from kda_lm import optimizer, stack  # noqa: E402
-from kda_lm.checkpoint import state as state_lib  # noqa: E402
-from kda_lm.parallel import sharding  # noqa: E402
-from kda_lm.train import step as step_lib  # noqa: E402
+from kda_lm import stack  # noqa: E402
 
 _MODEL = flags.DEFINE_string("model", "ling3:tiny",
                              "configs module[:arg]: ling3:tiny, ling3:flash, "
@@ -127,34 +120,6 @@ class Fit:
     return self.args_gib + self.temp_gib
 
 
-def compile_step(m, mesh_config, devices, chip: Chip, B: int, T: int,
-                 remat: str, accum: int):
-  """The compiled training step: (compiled, seconds)."""
-  mesh = sharding.make_mesh(mesh_config, devices)
-  sharding.check_batch_shape(mesh, B, T, accum)
-  model = model_lib.build(m, remat=remat)
-  tx, schedule = optimizer.make_optimizer(ling3.get_config().opt, 100)
-  init = state_lib.make_init_fn(model, tx, T)
-  with compile_mesh.backend(chip.platform):
-    abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
-  shardings = state_lib.state_shardings(abstract, mesh)
-  state = sharding.with_shardings(abstract, shardings)
-  rows = sharding.batch_sharding(mesh)
-  tok = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=rows)
-  batch = dict(inputs=tok, targets=tok, segment_ids=tok, positions=tok,
-               loss_mask=jax.ShapeDtypeStruct((B, T), jnp.float32,
-                                              sharding=rows))
-  update = jax.jit(step_lib.make_update_fn(model, tx, schedule, m, accum),
-                   out_shardings=(shardings, sharding.replicated(mesh)),
-                   donate_argnums=0)
-  start = time.time()
-  with compile_mesh.backend(chip.platform), jax.set_mesh(mesh):
-    lowered = update.trace(state, batch).lower(
-        lowering_platforms=("cuda" if chip.platform == "gpu" else "tpu",))
-  compiled = lowered.compile()
-  return compiled, time.time() - start
-
-
 def fit(m, mesh_text: str, chip: Chip, B: int, T: int, remat: str,
         accum: int) -> Fit:
   """Compiles one step and reads its memory and FLOPs."""
@@ -164,9 +129,9 @@ def fit(m, mesh_text: str, chip: Chip, B: int, T: int, remat: str,
   out = Fit(analytic_tflop=compile_mesh.analytic_flops(m, B, T) / count
             / 1e12)
   try:
-    compiled, out.seconds = compile_step(
-        m, mesh_config, list(target_devices(chip))[:count], chip, B, T,
-        remat, accum)
+    compiled, out.seconds = compile_mesh.compile_step(
+        m, mesh_config, list(target_devices(chip))[:count], B, T,
+        chip.platform, remat, accum)
   except Exception as e:  # pylint: disable=broad-except
     traceback.print_exc()
     out.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
