@@ -1,6 +1,7 @@
 """Tests of data/parquet.py: exact documents from row groups of several
 files, resume, process shards, and bad files and rows."""
 
+import data_pipeline_test as pipeline_test
 import numpy as np
 import pyarrow as pa
 from pyarrow import parquet as pq
@@ -61,18 +62,8 @@ def test_documents_resume_and_process_shards(corpus, tmp_path):
   assert not set(shards[0]) & set(shards[1])
   assert sorted(shards[0] + shards[1]) == sorted(train)
 
-  kwargs = dict(data_dir=data_dir, process_index=0, process_count=1)
-  it = pipeline.make_train_iterator(config, **kwargs)
-  for _ in range(9):
-    next(it)
-  it.save(str(tmp_path / "ckpt"))
-  expected = [next(it) for _ in range(4)]
-  resumed = pipeline.make_train_iterator(config, **kwargs)
-  resumed.restore(str(tmp_path / "ckpt"))
-  for want in expected:
-    got = next(resumed)
-    for key in want:
-      np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+  pipeline_test.assert_resumes_exactly(config, data_dir,
+                                       str(tmp_path / "ckpt"), 9, 4)
 
 
 def _documents(config, data_dir):

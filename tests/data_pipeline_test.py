@@ -56,6 +56,18 @@ def _assert_same(a, b):
       np.testing.assert_array_equal(x[key], y[key], err_msg=key)
 
 
+def assert_resumes_exactly(config, data_dir, ckpt_dir, skip, take):
+  """Saves a train iterator after `skip` batches; a new iterator restored
+  from it gives the `take` batches the first one gives next."""
+  it = _train(config, data_dir)
+  _take(it, skip)
+  it.save(ckpt_dir)
+  expected = _take(it, take)
+  resumed = _train(config, data_dir)
+  resumed.restore(ckpt_dir)
+  _assert_same(_take(resumed, take), expected)
+
+
 def test_train_batches(data_dir):
   it = _train(_config(), data_dir)
   assert it.vocab_size == 40

@@ -5,6 +5,7 @@ Two tiny datasets are built here, offline: one with train and validation
 splits, one with a train split only.
 """
 
+import data_pipeline_test as pipeline_test
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
@@ -84,18 +85,8 @@ def test_named_split_hold_out_and_process_shards(data_dir):
 
 def test_resume_mid_epoch_is_exact(data_dir, tmp_path):
   config = _config("tiny_train_only_test")
-  kwargs = dict(data_dir=data_dir, process_index=0, process_count=1)
-  it = pipeline.make_train_iterator(config, **kwargs)
-  for _ in range(8):
-    next(it)
-  it.save(str(tmp_path / "ckpt"))
-  expected = [next(it) for _ in range(3)]
-  resumed = pipeline.make_train_iterator(config, **kwargs)
-  resumed.restore(str(tmp_path / "ckpt"))
-  for want in expected:
-    got = next(resumed)
-    for key in want:
-      np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+  pipeline_test.assert_resumes_exactly(config, data_dir,
+                                       str(tmp_path / "ckpt"), 8, 3)
 
 
 def test_errors(data_dir, tmp_path):
