@@ -20,8 +20,13 @@ compile check's environment (libtpu, the CUDA plugin):
                                                         # that fits
 `--batch` is the global batch of one optimizer step; `--grad_accum` splits
 it into micro-batches. `--search` tries the remat policies from `none` to
-`full` and reports the first that fits (total <= HBM). `--layers` cuts the
-stack to its first n layers (the pattern's last layer made MLA), for the
+`full` and reports the first that fits (total <= HBM). `--grow` then
+doubles the batch while the step still fits, and reports the largest
+micro-batch that fits with that policy (one compile per try).
+`--unscanned_flops` compiles the step once more with every layer unrolled
+for the compiled FLOPs and their ratio to the analytic count (the memory
+columns stay the scanned step's). `--layers` cuts the stack to its first
+n layers (the pattern's last layer made MLA), for the
 compile-time-in-depth comparison; `--noscan` compiles every layer.
 """
 
@@ -29,6 +34,7 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import importlib  # noqa: E402
 import sys  # noqa: E402
@@ -55,6 +61,11 @@ _REMAT = flags.DEFINE_enum("remat", "none", config_lib.REMAT_POLICIES,
 _ACCUM = flags.DEFINE_integer("grad_accum", 1, "config.train.grad_accum_steps.")
 _SEARCH = flags.DEFINE_bool("search", False, "Try the remat policies in "
                             "order and stop at the first that fits.")
+_GROW = flags.DEFINE_bool("grow", False, "Double --batch while the step "
+                          "fits; report the largest micro-batch.")
+_UNSCANNED_FLOPS = flags.DEFINE_bool(
+    "unscanned_flops", False, "Read the compiled FLOPs from a second, "
+    "unscanned compile of the same step.")
 _LAYERS = flags.DEFINE_integer("layers", 0, "Cut to n layers (0 = all).")
 _SCAN = flags.DEFINE_bool("scan", True, "config.model.scan_layers.")
 
@@ -114,34 +125,57 @@ class Fit:
   analytic_tflop: float = 0.0
   seconds: float = 0.0
   error: str = ""
+  # Whether compiled_tflop counts every layer (False: a scanned step's,
+  # whose loop body XLA's cost analysis counts once).
+  flops_complete: bool = True
 
   @property
   def total_gib(self) -> float:
     return self.args_gib + self.temp_gib
 
+  def fits(self, chip: Chip) -> bool:
+    return not self.error and self.total_gib <= chip.hbm_gib
+
+
+def _compile(m, mesh_text, chip, B, T, remat, accum):
+  """(compiled step, compile seconds) on the target's first devices."""
+  return compile_mesh.compile_step(
+      m, compile_mesh.parse_mesh(mesh_text),
+      list(target_devices(chip))[:mesh_devices(mesh_text)], B, T,
+      chip.platform, remat, accum)
+
+
+def _tflop(compiled) -> float:
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+  return float(cost.get("flops", 0.0)) / 1e12
+
 
 def fit(m, mesh_text: str, chip: Chip, B: int, T: int, remat: str,
-        accum: int) -> Fit:
-  """Compiles one step and reads its memory and FLOPs."""
-  mesh_config = compile_mesh.parse_mesh(mesh_text)
-  count = (mesh_config.data * mesh_config.fsdp * mesh_config.expert
-           * mesh_config.context)
-  out = Fit(analytic_tflop=compile_mesh.analytic_flops(m, B, T) / count
-            / 1e12)
+        accum: int, unscanned_flops: bool = False) -> Fit:
+  """Compiles one step and reads its memory and FLOPs (with
+  `unscanned_flops`, the FLOPs of a second compile, every layer
+  unrolled)."""
+  out = Fit(analytic_tflop=compile_mesh.analytic_flops(m, B, T)
+            / mesh_devices(mesh_text) / 1e12)
+  scanned = bool(m.scan_layers) and stack.find_group(
+      config_lib.ModelConfig.from_config(m)).period > 0
   try:
-    compiled, out.seconds = compile_mesh.compile_step(
-        m, mesh_config, list(target_devices(chip))[:count], B, T,
-        chip.platform, remat, accum)
+    compiled, out.seconds = _compile(m, mesh_text, chip, B, T, remat, accum)
+    memory = compiled.memory_analysis()
+    out.args_gib = memory.argument_size_in_bytes / GIB
+    out.temp_gib = memory.temp_size_in_bytes / GIB
+    out.compiled_tflop = _tflop(compiled)
+    out.flops_complete = not scanned
+    if scanned and unscanned_flops:
+      flat = copy.deepcopy(m)
+      flat.scan_layers = False
+      compiled, seconds = _compile(flat, mesh_text, chip, B, T, remat, accum)
+      out.compiled_tflop, out.flops_complete = _tflop(compiled), True
+      out.seconds += seconds
   except Exception as e:  # pylint: disable=broad-except
     traceback.print_exc()
     out.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-    return out
-  memory = compiled.memory_analysis()
-  out.args_gib = memory.argument_size_in_bytes / GIB
-  out.temp_gib = memory.temp_size_in_bytes / GIB
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
-  out.compiled_tflop = float(cost.get("flops", 0.0)) / 1e12
   return out
 
 
@@ -150,31 +184,51 @@ HEADER = ("| model | target | mesh | T | B | accum | remat | args GiB | "
           "ratio | roofline s | tok/s/chip | compile s | fits |")
 
 
-def row(name, target, mesh, T, B, accum, remat, chip, f: Fit,
-        scanned: bool) -> str:
+def row(name, target, mesh, T, B, accum, remat, chip, f: Fit) -> str:
+  """One table row; the roofline and ratio use the compiled FLOPs only
+  when they count every layer (else the analytic FLOPs, without remat's
+  recompute)."""
+  head = f"| {name} | {target} | {mesh} | {T} | {B} | {accum} | {remat} |"
   if f.error:
-    return (f"| {name} | {target} | {mesh} | {T} | {B} | {accum} | {remat} "
-            f"| - | - | - | - | {f.analytic_tflop:.1f} | - | - | - | - | "
-            f"error: {f.error} |")
-  # XLA's cost analysis counts a while loop's body once, not per trip: a
-  # scanned step's compiled FLOPs miss N-1 repeats of the group, so the
-  # roofline uses the analytic FLOPs (remat's recompute not included).
-  flop = f.analytic_tflop if scanned else (f.compiled_tflop
-                                           or f.analytic_tflop)
+    return (f"{head} - | - | - | - | {f.analytic_tflop:.1f} | - | - | - | "
+            f"- | error: {f.error} |")
+  complete = f.flops_complete and f.compiled_tflop
+  flop = f.compiled_tflop if complete else f.analytic_tflop
   step_s = flop / chip.peak_tflops
-  devices = 1
-  for item in mesh.split("+"):
-    devices *= int(item.split("=")[1])
-  tokens = B * T / devices
-  ratio = (f"{f.compiled_tflop / f.analytic_tflop:.2f}"
-           if f.compiled_tflop and not scanned else "-")
-  fits = "yes" if f.total_gib <= chip.hbm_gib else "no"
-  return (f"| {name} | {target} | {mesh} | {T} | {B} | {accum} | {remat} | "
-          f"{f.args_gib:.2f} | {f.temp_gib:.2f} | {f.total_gib:.1f} / "
-          f"{chip.hbm_gib:.0f} | "
-          f"{f.compiled_tflop:.1f} | {f.analytic_tflop:.1f} | {ratio} | "
-          f"{step_s:.2f} | {tokens / step_s:,.0f} | {f.seconds:.0f} | "
-          f"{fits} |")
+  tokens = B * T / mesh_devices(mesh)
+  ratio = f"{f.compiled_tflop / f.analytic_tflop:.2f}" if complete else "-"
+  compiled = f"{f.compiled_tflop:.1f}" if complete else "-"
+  return (f"{head} {f.args_gib:.2f} | {f.temp_gib:.2f} | "
+          f"{f.total_gib:.1f} / {chip.hbm_gib:.0f} | {compiled} | "
+          f"{f.analytic_tflop:.1f} | {ratio} | {step_s:.2f} | "
+          f"{tokens / step_s:,.0f} | {f.seconds:.0f} | "
+          f"{'yes' if f.fits(chip) else 'no'} |")
+
+
+def mesh_devices(mesh_text: str) -> int:
+  c = compile_mesh.parse_mesh(mesh_text)
+  return c.data * c.fsdp * c.expert * c.context
+
+
+def _report(m, chip, B, remat) -> Fit:
+  f = fit(m, _MESH.value, chip, B, _SEQ_LEN.value, remat, _ACCUM.value,
+          _UNSCANNED_FLOPS.value)
+  print(row(_MODEL.value, _TARGET.value, _MESH.value, _SEQ_LEN.value, B,
+            _ACCUM.value, remat, chip, f), flush=True)
+  return f
+
+
+def grow(m, chip, remat) -> int:
+  """The largest batch (doubling from --batch) whose step fits."""
+  B = _BATCH.value
+  while _report(m, chip, 2 * B, remat).fits(chip):
+    B *= 2
+  rows = B // _ACCUM.value
+  print(f"largest micro-batch that fits with remat={remat}: {rows} rows "
+        f"({rows // mesh_devices(_MESH.value) or rows} per device; "
+        f"batch {B} with grad_accum={_ACCUM.value}); the next doubling "
+        f"does not fit", flush=True)
+  return B
 
 
 def main(argv):
@@ -191,13 +245,9 @@ def main(argv):
   policies = (config_lib.REMAT_POLICIES if _SEARCH.value
               else (_REMAT.value,))
   for remat in policies:
-    f = fit(m, _MESH.value, chip, _BATCH.value, _SEQ_LEN.value, remat,
-            _ACCUM.value)
-    print(row(_MODEL.value, _TARGET.value, _MESH.value, _SEQ_LEN.value,
-              _BATCH.value, _ACCUM.value, remat, chip, f,
-              stack.find_group(config_lib.ModelConfig.from_config(m))
-              .period > 0 and _SCAN.value), flush=True)
-    if not f.error and f.total_gib <= chip.hbm_gib:
+    if _report(m, chip, _BATCH.value, remat).fits(chip):
+      if _GROW.value:
+        grow(m, chip, remat)
       return 0
   return 1
 
