@@ -25,7 +25,8 @@ doubles the batch while the step still fits, and reports the largest
 micro-batch that fits with that policy (one compile per try).
 `--unscanned_flops` compiles the step once more with every layer unrolled
 for the compiled FLOPs and their ratio to the analytic count (the memory
-columns stay the scanned step's). `--layers` cuts the stack to its first
+columns stay the scanned step's; TPU only: the GPU compiler reports no
+FLOPs). `--layers` cuts the stack to its first
 n layers (the pattern's last layer made MLA), for the
 compile-time-in-depth comparison; `--noscan` compiles every layer.
 """
@@ -167,7 +168,8 @@ def fit(m, mesh_text: str, chip: Chip, B: int, T: int, remat: str,
     out.temp_gib = memory.temp_size_in_bytes / GIB
     out.compiled_tflop = _tflop(compiled)
     out.flops_complete = not scanned
-    if scanned and unscanned_flops:
+    # The GPU compiler reports no FLOPs: a second compile would not help.
+    if scanned and unscanned_flops and out.compiled_tflop:
       flat = copy.deepcopy(m)
       flat.scan_layers = False
       compiled, seconds = _compile(flat, mesh_text, chip, B, T, remat, accum)
