@@ -222,6 +222,7 @@ def test_yarn_and_biases_are_read_as_transformers_reads_them():
           fixture("bailing_hybrid_yarn"))) if k.startswith(
               "model.layers.7.attention.") and k.endswith(".bias")}
   assert len(biases) == 3
+  assert model.param_count(m) == sum(x.size for x in jax.tree.leaves(params))
   for hf_name, module in (("q_a_proj", "q_a_proj"), ("dense", "o_proj"),
                           ("kv_a_proj_with_mqa", "kv_a_proj")):
     np.testing.assert_array_equal(
