@@ -107,13 +107,17 @@ def test_rope_scaling_is_a_sub_section():
   c.model.rope_scaling.type = "yarn"          # As --config.model.rope_...
   c.model.rope_scaling.factor = 4.0
   c.model.rope_scaling.original_max_position_embeddings = 4096
-  c.model.rope_scaling.mscale_all_dim = 1.0   # a typed FieldReference(None)
+  c.model.rope_scaling.mscale_all_dim = 1.0
   m = config.ModelConfig.from_config(c.model)
   assert m.rope_scaling == rope.RopeScaling(
       type="yarn", factor=4.0, original_max_position_embeddings=4096,
       mscale_all_dim=1.0)
   assert config.ModelConfig.from_config(c.model.to_dict()) == m
-  c.model.rope_scaling.original_max_position_embeddings = None
+  # A nested update with another config's sub-section (no None fields).
+  other = ling3_tiny.model_config()
+  other.update(dict(c.model))
+  assert config.ModelConfig.from_config(other) == m
+  c.model.rope_scaling.original_max_position_embeddings = 0
   with pytest.raises(ValueError, match="original_max_position_embeddings"):
     config.ModelConfig.from_config(c.model)
   values = ling3_tiny.model_config()

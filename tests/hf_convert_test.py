@@ -184,6 +184,8 @@ def rope_change(**rope_parameters):
      "'rope_parameters.partial_rotary_factor' is 0.5"),
     (rope_change(factor=None), "lacks the field 'rope_parameters.factor'"),
     (rope_change(factor=0.0), "rope_scaling.factor must be > 0"),
+    (rope_change(attention_factor=0.0),
+     "'rope_parameters.attention_factor' is 0.0"),
 ])
 def test_bad_configs_are_named(change, match):
   hf_config = fixture_config("bailing_hybrid")
@@ -201,7 +203,7 @@ def test_yarn_and_biases_are_read_as_transformers_reads_them():
   assert m.mla_bias and m.rope_theta == 10.0
   want = dict(type="yarn", factor=4.0, original_max_position_embeddings=16,
               beta_fast=2.0, beta_slow=0.5, truncate=False,
-              attention_factor=None, mscale=2.0, mscale_all_dim=1.0)
+              attention_factor=0.0, mscale=2.0, mscale_all_dim=1.0)
   assert m.rope_scaling.to_dict() == want
   hf_config["original_max_position_embeddings"] = 32
   hf_config.update(rope_change(beta_fast=None, beta_slow=None, truncate=None,
@@ -209,7 +211,7 @@ def test_yarn_and_biases_are_read_as_transformers_reads_them():
   rs = formats.from_hf(hf_config).rope_scaling
   assert (rs.original_max_position_embeddings, rs.beta_fast, rs.beta_slow,
           rs.truncate, rs.mscale, rs.attention_factor) == (
-              32, 32.0, 1.0, True, None, 1.25)
+              32, 32.0, 1.0, True, 0.0, 1.25)
   del hf_config["original_max_position_embeddings"]
   hf_config.update(rope_change(original_max_position_embeddings=None))
   assert formats.from_hf(hf_config).rope_scaling[

@@ -32,7 +32,8 @@ HF_LATENT_NORM_EPS = 1e-6
 _KINDS = {"linear_attention": "K", "full_attention": "M"}
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16",
            "float16": "float16"}
-# YaRN's `rope_parameters` written only when given (None: derived).
+# YaRN's `rope_parameters` read and written only when given (kda-lm: 0 =
+# not given; transformers treats an mscale of 0 so too).
 _YARN_OPTIONAL = ("attention_factor", "mscale", "mscale_all_dim")
 
 
@@ -111,9 +112,12 @@ def _rope_scaling(hf: dict, model_type: str) -> ml_collections.ConfigDict:
   out.beta_fast = float(rope.get("beta_fast") or 32.0)
   out.beta_slow = float(rope.get("beta_slow") or 1.0)
   out.truncate = bool(rope.get("truncate", True))
+  if rope.get("attention_factor") is not None and not (
+      rope["attention_factor"] > 0):
+    raise ValueError(f"config.json field 'rope_parameters.attention_factor' "
+                     f"is {rope['attention_factor']!r}: it must be > 0.")
   for name in _YARN_OPTIONAL:
-    if rope.get(name) is not None:
-      out[name] = float(rope[name])
+    out[name] = float(rope.get(name) or 0.0)
   return out
 
 
@@ -128,7 +132,7 @@ def _rope_parameters_out(cfg: config_lib.ModelConfig) -> dict:
                beta_fast=s.beta_fast, beta_slow=s.beta_slow,
                truncate=s.truncate)
     out.update({name: getattr(s, name) for name in _YARN_OPTIONAL
-                if getattr(s, name) is not None})
+                if getattr(s, name)})
   return out
 
 

@@ -20,16 +20,16 @@ where `lo` and `hi` are the pair indices that make `beta_fast` and
 (`_correction_dim`; floored and ceiled with `truncate`, clipped to
 [0, R - 1]). Pairs turning fast keep their frequency, slow ones are
 interpolated. The rotated pairs (cos and sin alike, so both q and k) are
-multiplied by `rope_attention_factor`: `attention_factor` if given, else
-`m(factor, mscale) / m(factor, mscale_all_dim)` when both are given, else
-`m(factor)`, with `m(s, a) = 1 + 0.1 a ln(s)` (1 for s <= 1). The attention
-softmax scale is multiplied by `softmax_scale_factor` =
-`m(factor, mscale_all_dim)^2` when `mscale_all_dim` is set and non-zero.
+multiplied by `rope_attention_factor`: `attention_factor` if given (not 0),
+else `m(factor, mscale) / m(factor, mscale_all_dim)` when both are given,
+else `m(factor)`, with `m(s, a) = 1 + 0.1 a ln(s)` (1 for s <= 1). The
+attention softmax scale is multiplied by `softmax_scale_factor` =
+`m(factor, mscale_all_dim)^2` when `mscale_all_dim` is given. As in
+transformers, 0 is "not given" for `mscale` and `mscale_all_dim`.
 """
 
 import dataclasses
 import math
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -42,25 +42,26 @@ SCALING_TYPES = ("none", "yarn")
 class RopeScaling:
   """RoPE scaling (`config.model.rope_scaling`), validated.
 
-  Field names and meanings follow `transformers`' `rope_parameters`.
+  Field names and meanings follow `transformers`' `rope_parameters`; no
+  field defaults to None, so that the sub-section is a plain ConfigDict.
   """
   # "none" (plain RoPE; the other fields are unused) or "yarn".
   type: str = "none"
   # Context extension factor (> 0): interpolated frequencies are f / factor.
   factor: float = 1.0
-  # Pretraining context (tokens) the ramp is measured in; needed by yarn.
-  original_max_position_embeddings: Optional[int] = None
+  # Pretraining context (tokens) the ramp is measured in; yarn needs it > 0.
+  original_max_position_embeddings: int = 0
   # Pairs making more than beta_fast rotations in that context keep their
   # frequency, fewer than beta_slow are interpolated (both > 0).
   beta_fast: float = 32.0
   beta_slow: float = 1.0
   # Floor/ceil the ramp's ends to whole pair indices.
   truncate: bool = True
-  # Multiplier of cos and sin; None = derived from mscale, mscale_all_dim.
-  attention_factor: Optional[float] = None
-  # YaRN's magnitude scales; None (or 0) = not given: see the module doc.
-  mscale: Optional[float] = None
-  mscale_all_dim: Optional[float] = None
+  # Multiplier of cos and sin (>= 0); 0 = derived from the mscales.
+  attention_factor: float = 0.0
+  # YaRN's magnitude scales; 0 = not given (see the module docstring).
+  mscale: float = 0.0
+  mscale_all_dim: float = 0.0
 
   def __post_init__(self):
     if self.type not in SCALING_TYPES:
@@ -74,15 +75,17 @@ class RopeScaling:
                        f"be a positive int with type {self.type!r}, got "
                        f"{n!r}.")
     object.__setattr__(self, "original_max_position_embeddings", int(n))
-    for name in ("factor", "beta_fast", "beta_slow", "attention_factor"):
-      value = getattr(self, name)
-      if value is not None and not value > 0:
-        raise ValueError(f"rope_scaling.{name} must be > 0, got {value!r}.")
+    for name in ("factor", "beta_fast", "beta_slow"):
+      if not getattr(self, name) > 0:
+        raise ValueError(f"rope_scaling.{name} must be > 0, got "
+                         f"{getattr(self, name)!r}.")
+    if not self.attention_factor >= 0:
+      raise ValueError(f"rope_scaling.attention_factor must be >= 0 (0: "
+                       f"derived), got {self.attention_factor!r}.")
     for name in ("mscale", "mscale_all_dim"):
-      value = getattr(self, name)
-      if value is not None and not math.isfinite(value):
-        raise ValueError(f"rope_scaling.{name} must be a finite number or "
-                         f"None, got {value!r}.")
+      if not math.isfinite(getattr(self, name)):
+        raise ValueError(f"rope_scaling.{name} must be a finite number, "
+                         f"got {getattr(self, name)!r}.")
 
   @property
   def active(self) -> bool:
@@ -136,7 +139,7 @@ def rope_attention_factor(scaling: RopeScaling) -> float:
   """The multiplier of cos and sin (1 without scaling)."""
   if not scaling.active:
     return 1.0
-  if scaling.attention_factor is not None:
+  if scaling.attention_factor:
     return float(scaling.attention_factor)
   if scaling.mscale and scaling.mscale_all_dim:
     return (yarn_mscale(scaling.factor, scaling.mscale)
