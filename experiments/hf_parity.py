@@ -2,9 +2,11 @@ r"""The parity table of docs/hf.md: kda-lm's logits against transformers'.
 
 For each fixture in tests/testdata/hf (tiny `bailing_hybrid` and
 `kimi_linear` models made by transformers, with its logits of each document
-run alone), imports the checkpoint, runs all documents packed in one row
-with `segment_ids`, and prints each document's relative error
-(`kda_lm.testing.rel_err`) and the largest absolute difference.
+run alone; `bailing_hybrid_yarn` with YaRN RoPE scaling and attention
+biases, `kimi_linear_bias` with attention biases), imports the checkpoint,
+runs all documents packed in one row with `segment_ids`, and prints each
+document's relative error (`kda_lm.testing.rel_err`) and the largest
+absolute difference.
 
   python -m experiments.hf_parity
 """
@@ -20,9 +22,14 @@ from kda_lm import hf, model, testing
 FIXTURES = os.path.join(testing.REPO, "tests", "testdata", "hf")
 
 
-def parity(model_type: str) -> list[tuple[int, float, float]]:
-  """(length, relative error, max |diff|) per document."""
-  path = os.path.join(FIXTURES, model_type)
+NAMES = ("bailing_hybrid", "kimi_linear", "bailing_hybrid_yarn",
+         "kimi_linear_bias")
+
+
+def parity(name: str) -> list[tuple[int, float, float]]:
+  """(length, relative error, max |diff|) per document of fixture
+  `name`."""
+  path = os.path.join(FIXTURES, name)
   model_config, params = hf.load_pretrained(path)
   g = np.load(os.path.join(path, "golden.npz"))
   n = sum(k.startswith("tokens_") for k in g)
@@ -42,12 +49,12 @@ def parity(model_type: str) -> list[tuple[int, float, float]]:
 
 
 def main() -> None:
-  print("| format | " + " | ".join(f"doc {i}" for i in range(4))
+  print("| fixture | " + " | ".join(f"doc {i}" for i in range(4))
         + " | max abs diff |")
-  for model_type in ("bailing_hybrid", "kimi_linear"):
-    rows = parity(model_type)
+  for name in NAMES:
+    rows = parity(name)
     cells = " | ".join(f"{e:.1e} ({n})" for n, e, _ in rows)
-    print(f"| `{model_type}` | {cells} | {max(m for *_, m in rows):.1e} |")
+    print(f"| `{name}` | {cells} | {max(m for *_, m in rows):.1e} |")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """Makes the Hugging Face golden fixtures of `tests/hf_*_test.py`.
 
-For each model type (`bailing_hybrid`, Ling 3.0; `kimi_linear`, Kimi
-Linear) it builds a tiny random model with `transformers` (two layer groups
-of KDA layers and an MLA layer, a dense first layer, grouped MoE, random
-norm weights, router biases, decay parameters), saves it with
+For each fixture (`bailing_hybrid`, Ling 3.0; `kimi_linear`, Kimi Linear;
+`bailing_hybrid_yarn`, Ling with YaRN `rope_parameters` and
+`attention_bias`; `kimi_linear_bias`, Kimi with `attention_bias`) it builds
+a tiny random model with `transformers` (two layer groups of KDA layers and
+an MLA layer, a dense first layer, grouped MoE, random norm weights, router
+biases, decay parameters and MLA biases), saves it with
 `save_pretrained` (the on-disk layout of the published checkpoints), and
 runs several documents of unequal length through it, one document per row
 (the torch fallback of both models cannot reset the KDA state inside a
-packed row). It writes, per type, into `tests/testdata/hf/<type>/`:
+packed row). It writes, per fixture, into `tests/testdata/hf/<name>/`:
 
   config.json, model.safetensors   the model as `save_pretrained` wrote it
   golden.npz                       tokens_<i> [T_i] int32 and logits_<i>
@@ -21,7 +23,9 @@ It runs in its own environment (torch, transformers; the tests only read
 the files):
 
   py="$(bash experiments/hf_fixtures_env.sh)"
-  "$py" -m experiments.make_hf_fixtures
+  "$py" -m experiments.make_hf_fixtures [name ...]   # default: all
+
+(named ones only: the others' files stay as they are).
 """
 
 import json
@@ -58,17 +62,43 @@ def ling_config():
       rms_norm_eps=1e-6)
 
 
-def kimi_config():
+def kimi_config(**kwargs):
   return transformers.KimiLinearConfig(
       **COMMON, q_lora_rank=None, rms_norm_eps=1e-5,
       linear_attn_config=dict(head_dim=8, num_heads=2,
                               short_conv_kernel_size=4,
                               full_attn_layers=[4, 8],
-                              kda_layers=[1, 2, 3, 5, 6, 7]))
+                              kda_layers=[1, 2, 3, 5, 6, 7]), **kwargs)
+
+
+# YaRN over a 16-token pretraining context (the documents are longer), 8
+# RoPE dims and base 10 so that the ramp blends between pairs 0 and 3 (not
+# truncated), both magnitude scales non-trivial.
+YARN = dict(rope_type="yarn", rope_theta=10.0, factor=4.0,
+            original_max_position_embeddings=16, beta_fast=2.0,
+            beta_slow=0.5, truncate=False, mscale=2.0, mscale_all_dim=1.0)
+
+
+def ling_yarn_config():
+  return transformers.BailingHybridConfig(
+      **dict(COMMON, qk_rope_head_dim=8), head_dim=8, q_lora_rank=8,
+      layer_group_size=4, short_conv_kernel_size=4, rope_theta=10.0,
+      rope_parameters=dict(YARN), max_position_embeddings=64,
+      attention_bias=True, num_mtp_layers=0, rms_norm_eps=1e-6)
+
+
+# name: (model_type, config, seed).
+FIXTURES = {
+    "bailing_hybrid": ("bailing_hybrid", ling_config, 0),
+    "kimi_linear": ("kimi_linear", kimi_config, 1),
+    "bailing_hybrid_yarn": ("bailing_hybrid", ling_yarn_config, 2),
+    "kimi_linear_bias": ("kimi_linear",
+                         lambda: kimi_config(attention_bias=True), 3),
+}
 
 
 def randomize(model, gen):
-  """Non-trivial norms, router biases and decay parameters."""
+  """Non-trivial norms, router biases, decay parameters, MLA biases."""
   with torch.no_grad():
     for name, p in list(model.named_parameters()) + list(
         model.named_buffers()):
@@ -80,13 +110,15 @@ def randomize(model, gen):
         p.copy_(0.2 * torch.randn(p.shape, generator=gen))
       elif name.endswith("A_log") or name.endswith("dt_bias"):
         p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+      elif name.endswith(".bias"):   # attention_bias (zeros at init).
+        p.copy_(0.3 * torch.randn(p.shape, generator=gen))
 
 
-def make(name, cfg, seed):
+def make(name, model_type, cfg, seed):
   torch.manual_seed(seed)
   gen = torch.Generator().manual_seed(seed)
   cls = {"bailing_hybrid": transformers.BailingHybridForCausalLM,
-         "kimi_linear": transformers.KimiLinearForCausalLM}[name]
+         "kimi_linear": transformers.KimiLinearForCausalLM}[model_type]
   model = cls(cfg).float().eval()
   randomize(model, gen)
   out = os.path.join(OUT, name)
@@ -115,9 +147,13 @@ def main():
   print(f"torch {torch.__version__}, transformers "
         f"{transformers.__version__}, safetensors "
         f"{safetensors.__version__}, python {sys.version.split()[0]}")
-  make("bailing_hybrid", ling_config(), 0)
-  make("kimi_linear", kimi_config(), 1)
-  for name in ("bailing_hybrid", "kimi_linear"):
+  names = sys.argv[1:] or list(FIXTURES)
+  unknown = sorted(set(names) - set(FIXTURES))
+  if unknown:
+    raise SystemExit(f"Unknown fixtures {unknown}; known: {list(FIXTURES)}")
+  for name in names:
+    model_type, config, seed = FIXTURES[name]
+    make(name, model_type, config(), seed)
     os.remove(os.path.join(OUT, name, "generation_config.json"))
 
 

@@ -13,13 +13,14 @@ of the defaults, and `__post_init__` raises a `ValueError` naming the field.
 """
 
 import dataclasses
+import functools
 import typing
 from typing import Any, Optional, TypeVar
 
 import ml_collections
 import numpy as np
 
-from kda_lm.layers import kda, mla, moe
+from kda_lm.layers import kda, mla, moe, rope
 from kda_lm.ops import gmm
 from kda_lm.ops.kda import api as kda_api
 
@@ -36,6 +37,7 @@ T = TypeVar("T")
 # Reading a ConfigDict section into a dataclass.
 
 
+@functools.lru_cache(maxsize=None)
 def _field_type(cls: type, name: str) -> type:
   """The scalar type of a field (`int` for `Optional[int]`)."""
   hint = typing.get_type_hints(cls)[name]
@@ -48,10 +50,14 @@ def config_dict(cls: type) -> ml_collections.ConfigDict:
 
   Fields without a default, or with None, become typed
   `FieldReference(None)`s, so that a config file or the command line can set
-  them.
+  them; a field whose type is a dataclass becomes a nested ConfigDict (a
+  sub-section, e.g. `model.rope_scaling`).
   """
   out = ml_collections.ConfigDict()
   for f in _key_fields(cls):
+    if dataclasses.is_dataclass(_field_type(cls, f.name)):
+      out[f.name] = config_dict(_field_type(cls, f.name))
+      continue
     value = f.default
     if value is dataclasses.MISSING or value is None:
       value = ml_collections.FieldReference(
@@ -106,7 +112,8 @@ def from_config(cls: type[T], values: Any, section: str, *,
                 required: bool = False) -> T:
   """Reads a ConfigDict (or mapping, or a `cls`) into a validated `cls`.
 
-  Missing keys and None values take the field's default.
+  Missing keys and None values take the field's default; a sub-section
+  (a field whose type is a dataclass) is read the same way.
 
   Args:
     cls: the dataclass.
@@ -127,9 +134,13 @@ def from_config(cls: type[T], values: Any, section: str, *,
   kwargs = {}
   for f in _key_fields(cls):
     value = values[f.name] if f.name in values else None
-    if value is None and f.default is dataclasses.MISSING:
+    if value is None and f.default is dataclasses.MISSING and (
+        f.default_factory is dataclasses.MISSING):
       raise ValueError(f"{section} config lacks the required key "
                        f"{f.name!r}.")
+    sub = _field_type(cls, f.name)
+    if value is not None and dataclasses.is_dataclass(sub):
+      value = from_config(sub, value, f"{section}.{f.name}")
     if value is not None:
       kwargs[f.name] = value
   return cls(**kwargs)
@@ -217,10 +228,18 @@ class ModelConfig:
   q_lora_rank: int = 0
   # RoPE base (Ling 3.0 uses 6e6 at 128k).
   rope_theta: float = 10000.0
+  # RoPE scaling of the MLA layers, a sub-section (`kda_lm.layers.rope.
+  # RopeScaling`: type "none" or "yarn" and YaRN's parameters, named as in
+  # transformers' `rope_parameters`).
+  rope_scaling: rope.RopeScaling = dataclasses.field(
+      default_factory=rope.RopeScaling)
   # True = no RoPE (Kimi Linear's MLA).
   use_nope: bool = False
   # Head-wise sigmoid output gate on MLA (Ling 3.0).
   mla_output_gate: bool = False
+  # Biases in MLA's q_a_proj (with a query latent), kv_a_proj and o_proj
+  # (the HF formats' `attention_bias`).
+  mla_bias: bool = False
   # Share the embedding with the LM head.
   tie_embeddings: bool = False
   # E routed experts per MoE layer (kda_lm/layers/moe.py); 0 = dense FFNs.
@@ -270,6 +289,9 @@ class ModelConfig:
     return from_config(cls, values, "model")
 
   def __post_init__(self):
+    if not isinstance(self.rope_scaling, rope.RopeScaling):
+      _set(self, "rope_scaling", from_config(
+          rope.RopeScaling, self.rope_scaling, "model.rope_scaling"))
     self._check_pattern()
     _int_at_least(self, "model", 1, "vocab_size", "d_model", "num_heads",
                   "head_dim", "mlp_hidden_dim", "conv_size")
@@ -294,7 +316,8 @@ class ModelConfig:
                    kv_lora_rank=self.kv_lora_rank,
                    qk_nope_head_dim=self.qk_nope_head_dim,
                    qk_rope_head_dim=self.qk_rope_head_dim,
-                   v_head_dim=self.v_head_dim, use_nope=self.use_nope)
+                   v_head_dim=self.v_head_dim, use_nope=self.use_nope,
+                   rope_scaling=self.rope_scaling)
     for name in ("param_dtype", "compute_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"model.{name} must be one of {DTYPES}, got "

@@ -412,7 +412,8 @@ def _mixer_param_count(cfg: config_lib.ModelConfig, kind: str) -> int:
                          qk_nope_head_dim=cfg.qk_nope_head_dim,
                          qk_rope_head_dim=cfg.qk_rope_head_dim,
                          v_head_dim=cfg.v_head_dim,
-                         output_gate=cfg.mla_output_gate)
+                         output_gate=cfg.mla_output_gate,
+                         bias=cfg.mla_bias)
 
 
 def _ffn_param_count(cfg: config_lib.ModelConfig, use_moe: bool) -> int:

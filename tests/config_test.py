@@ -7,6 +7,7 @@ import pytest
 
 from configs import ling3_tiny
 from kda_lm import config
+from kda_lm.layers import rope
 
 
 def test_config_dict_round_trip_gives_the_defaults():
@@ -94,3 +95,37 @@ def test_checkpoint_every_seconds_is_none_or_positive():
     with pytest.raises(ValueError, match="every_seconds must be None or a "
                        "number > 0"):
       config.CheckpointConfig(every_seconds=bad)
+
+
+def test_rope_scaling_is_a_sub_section():
+  """`model.rope_scaling` is a nested ConfigDict, read into a RopeScaling;
+  its errors name the field."""
+  c = ling3_tiny.get_config()
+  c.lock()
+  assert config.ModelConfig.from_config(c.model).rope_scaling == (
+      rope.RopeScaling())
+  c.model.rope_scaling.type = "yarn"          # As --config.model.rope_...
+  c.model.rope_scaling.factor = 4.0
+  c.model.rope_scaling.original_max_position_embeddings = 4096
+  c.model.rope_scaling.mscale_all_dim = 1.0
+  m = config.ModelConfig.from_config(c.model)
+  assert m.rope_scaling == rope.RopeScaling(
+      type="yarn", factor=4.0, original_max_position_embeddings=4096,
+      mscale_all_dim=1.0)
+  assert config.ModelConfig.from_config(c.model.to_dict()) == m
+  # A nested update with another config's sub-section (no None fields).
+  other = ling3_tiny.model_config()
+  other.update(dict(c.model))
+  assert config.ModelConfig.from_config(other) == m
+  c.model.rope_scaling.original_max_position_embeddings = 0
+  with pytest.raises(ValueError, match="original_max_position_embeddings"):
+    config.ModelConfig.from_config(c.model)
+  values = ling3_tiny.model_config()
+  values.rope_scaling.typ = "yarn"
+  with pytest.raises(ValueError, match=r"config\.model\.rope_scaling\.typ"):
+    config.ModelConfig.from_config(values)
+  values = ling3_tiny.model_config()
+  values.rope_scaling.type, values.use_nope = "yarn", True
+  values.rope_scaling.original_max_position_embeddings = 64
+  with pytest.raises(ValueError, match="needs RoPE, and use_nope is set"):
+    config.ModelConfig.from_config(values)

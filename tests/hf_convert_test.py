@@ -19,20 +19,32 @@ from kda_lm.parallel import sharding
 
 FIXTURES = os.path.join(testing.REPO, "tests", "testdata", "hf")
 TYPES = ("bailing_hybrid", "kimi_linear")
+# Every fixture's model_type: the two formats, Ling with YaRN rope scaling
+# and attention biases, Kimi with attention biases.
+FIXTURE_TYPES = {"bailing_hybrid": "bailing_hybrid",
+                 "kimi_linear": "kimi_linear",
+                 "bailing_hybrid_yarn": "bailing_hybrid",
+                 "kimi_linear_bias": "kimi_linear"}
 GAP = 3   # Padding tokens between documents in the padded row.
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
-def fixture(model_type):
-  return os.path.join(FIXTURES, model_type)
+def fixture(name):
+  return os.path.join(FIXTURES, name)
+
+
+def fixture_config(name):
+  """The fixture's parsed `config.json`."""
+  with open(os.path.join(fixture(name), "config.json")) as f:
+    return json.load(f)
 
 
 @functools.lru_cache(maxsize=None)
-def golden(model_type):
+def golden(name):
   """(documents' tokens, HF's logits of each document run alone)."""
-  g = np.load(os.path.join(fixture(model_type), "golden.npz"))
+  g = np.load(os.path.join(fixture(name), "golden.npz"))
   n = sum(k.startswith("tokens_") for k in g)
   return ([g[f"tokens_{i}"] for i in range(n)],
           [g[f"logits_{i}"] for i in range(n)])
@@ -56,10 +68,10 @@ def packed_rows(docs):
   return tokens, ids, starts
 
 
-@pytest.mark.parametrize("model_type", TYPES)
-def test_import_gives_hf_logits_in_a_packed_row(model_type):
-  model_config, params = hf.load_pretrained(fixture(model_type))
-  docs, want = golden(model_type)
+@pytest.mark.parametrize("name", FIXTURE_TYPES)
+def test_import_gives_hf_logits_in_a_packed_row(name):
+  model_config, params = hf.load_pretrained(fixture(name))
+  docs, want = golden(name)
   tokens, ids, starts = packed_rows(docs)
   logits = np.asarray(model.build(model_config).apply(
       params, jnp.asarray(tokens), jnp.asarray(ids)))
@@ -67,7 +79,7 @@ def test_import_gives_hf_logits_in_a_packed_row(model_type):
     for row in (0, 1):   # Packed, and with padding between documents.
       got = logits[row, starts[row][i]:starts[row][i] + len(d)]
       err = testing.rel_err(got, want[i])
-      assert err < 1e-5, (model_type, row, i, err)
+      assert err < 1e-5, (name, row, i, err)
 
 
 def header(path):
@@ -86,29 +98,30 @@ def assert_trees_equal(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("model_type", TYPES)
-def test_export_round_trip_is_exact(model_type, tmp_path):
-  model_config, params = hf.load_pretrained(fixture(model_type))
+@pytest.mark.parametrize("name", FIXTURE_TYPES)
+def test_export_round_trip_is_exact(name, tmp_path):
+  model_config, params = hf.load_pretrained(fixture(name))
   single, sharded = str(tmp_path / "single"), str(tmp_path / "sharded")
   hf.save_pretrained(model_config, params, single)
   hf.save_pretrained(model_config, params, sharded, max_shard_size=20_000)
   assert not os.path.exists(os.path.join(single, safetensors_io.INDEX))
   shards = set(safetensors_io.weight_map(sharded).values())
   assert len(shards) > 3, shards
-  assert header(single) == header(fixture(model_type))
-  assert header(sharded) == header(fixture(model_type))
+  assert header(single) == header(fixture(name))
+  assert header(sharded) == header(fixture(name))
   for path in (single, sharded):
     config2, params2 = hf.load_pretrained(path)
     assert config2 == model_config
     assert_trees_equal(params2, params)
-  with open(os.path.join(fixture(model_type), "config.json")) as f:
-    original = json.load(f)
+  original = fixture_config(name)
   with open(os.path.join(single, "config.json")) as f:
     exported = json.load(f)
   differ = {k: (v, original[k]) for k, v in exported.items()
             if k in original and original[k] != v}
   assert not differ, differ
-  assert exported["model_type"] == model_type
+  assert exported["model_type"] == FIXTURE_TYPES[name]
+  for key in ("attention_bias", "rope_parameters"):
+    assert (key in exported) == (key in original), key
 
 
 def test_export_refuses_what_the_format_cannot_express(tmp_path):
@@ -151,25 +164,78 @@ def test_bad_tensors_are_named(tmp_path, edit, match):
     hf.load_pretrained(path)
 
 
+def rope_change(**rope_parameters):
+  """A config change: the YaRN fixture's `rope_parameters` updated."""
+  rope = dict(fixture_config("bailing_hybrid_yarn")["rope_parameters"])
+  rope.update(rope_parameters)
+  return {"rope_parameters": {k: v for k, v in rope.items()
+                              if v is not None}}
+
+
 @pytest.mark.parametrize("change,match", [
     ({"model_type": "llama"}, "'model_type' is 'llama'"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
-                          "rope_theta": 1e4}}, "rope_type"),
-    ({"attention_bias": True}, "attention_bias"),
+    ({"tie_word_embeddings": True}, "'tie_word_embeddings' is True"),
+    *[(rope_change(rope_type=t), f"'rope_parameters.rope_type' is '{t}'")
+      for t in ("linear", "dynamic", "longrope", "llama3")],
+    ({"rope_parameters": None,
+      "rope_scaling": {"type": "linear", "factor": 2.0}},
+     "'rope_parameters.rope_type' is 'linear'"),
+    (rope_change(partial_rotary_factor=0.5),
+     "'rope_parameters.partial_rotary_factor' is 0.5"),
+    (rope_change(factor=None), "lacks the field 'rope_parameters.factor'"),
+    (rope_change(factor=0.0), "rope_scaling.factor must be > 0"),
+    (rope_change(attention_factor=0.0),
+     "'rope_parameters.attention_factor' is 0.0"),
 ])
 def test_bad_configs_are_named(change, match):
-  with open(os.path.join(fixture("bailing_hybrid"), "config.json")) as f:
-    hf_config = json.load(f)
+  hf_config = fixture_config("bailing_hybrid")
   hf_config.update(change)
   with pytest.raises(ValueError, match=match):
     formats.from_hf(hf_config)
 
 
+def test_yarn_and_biases_are_read_as_transformers_reads_them():
+  """The YaRN fields, their defaults, `original_max_position_embeddings`
+  (top-level field first, then rope_parameters', then the model's length),
+  and attention biases in both formats."""
+  hf_config = fixture_config("bailing_hybrid_yarn")
+  m = formats.from_hf(hf_config)
+  assert m.mla_bias and m.rope_theta == 10.0
+  want = dict(type="yarn", factor=4.0, original_max_position_embeddings=16,
+              beta_fast=2.0, beta_slow=0.5, truncate=False,
+              attention_factor=0.0, mscale=2.0, mscale_all_dim=1.0)
+  assert m.rope_scaling.to_dict() == want
+  hf_config["original_max_position_embeddings"] = 32
+  hf_config.update(rope_change(beta_fast=None, beta_slow=None, truncate=None,
+                               mscale=None, attention_factor=1.25))
+  rs = formats.from_hf(hf_config).rope_scaling
+  assert (rs.original_max_position_embeddings, rs.beta_fast, rs.beta_slow,
+          rs.truncate, rs.mscale, rs.attention_factor) == (
+              32, 32.0, 1.0, True, 0.0, 1.25)
+  del hf_config["original_max_position_embeddings"]
+  hf_config.update(rope_change(original_max_position_embeddings=None))
+  assert formats.from_hf(hf_config).rope_scaling[
+      "original_max_position_embeddings"] == hf_config["model_max_length"]
+  kimi = formats.from_hf(fixture_config("kimi_linear_bias"))
+  assert kimi.mla_bias and kimi.rope_scaling.type == "none"
+  _, params = hf.load_pretrained(fixture("bailing_hybrid_yarn"))
+  biases = {k: v for k, v in safetensors_io.iter_tensors(
+      fixture("bailing_hybrid_yarn"), safetensors_io.weight_map(
+          fixture("bailing_hybrid_yarn"))) if k.startswith(
+              "model.layers.7.attention.") and k.endswith(".bias")}
+  assert len(biases) == 3
+  assert model.param_count(m) == sum(x.size for x in jax.tree.leaves(params))
+  for hf_name, module in (("q_a_proj", "q_a_proj"), ("dense", "o_proj"),
+                          ("kv_a_proj_with_mqa", "kv_a_proj")):
+    np.testing.assert_array_equal(
+        params[f"layer_7/mla/{module}"]["b"],
+        biases[f"model.layers.7.attention.{hf_name}.bias"])
+
+
 def test_layer_kinds_without_layer_types():
   """Ling's `layer_group_size` and Kimi's 1-based `full_attn_layers`."""
   for model_type in TYPES:
-    with open(os.path.join(fixture(model_type), "config.json")) as f:
-      hf_config = json.load(f)
+    hf_config = fixture_config(model_type)
     del hf_config["layer_types"]
     assert formats.from_hf(hf_config).attention_pattern == "KKKMKKKM"
 

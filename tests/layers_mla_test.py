@@ -1,6 +1,7 @@
 """Tests of kda_lm/layers/mla.py (and rope.py): MLA == a naive attention."""
 
 import functools
+import math
 
 import haiku as hk
 import jax
@@ -34,41 +35,160 @@ def _rms(x, w):
   return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6) * w
 
 
-def _rope_complex(x, pos, theta):
-  """Interleaved RoPE via complex numbers: pair (2i, 2i+1) is one complex."""
+def _hf_yarn(dim, base, factor, original_max_position_embeddings,
+             beta_fast=None, beta_slow=None, truncate=True,
+             attention_factor=None, mscale=None, mscale_all_dim=None):
+  """transformers 5.24's `_compute_yarn_parameters` and `yarn_apply_mscale`
+  (modeling_bailing_hybrid.py), transcribed to numpy float32: (inv_freq
+  [dim/2], the cos/sin factor, the softmax scale's factor)."""
+
+  def get_mscale(scale, mscale=1):
+    if scale <= 1:
+      return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+  if attention_factor is None:
+    if mscale and mscale_all_dim:
+      attention_factor = float(get_mscale(factor, mscale)
+                               / get_mscale(factor, mscale_all_dim))
+    else:
+      attention_factor = get_mscale(factor)
+  beta_fast = beta_fast or 32
+  beta_slow = beta_slow or 1
+
+  def find_correction_dim(num_rotations, dim, base, max_position_embeddings):
+    return (dim * math.log(max_position_embeddings
+                           / (num_rotations * 2 * math.pi))
+            ) / (2 * math.log(base))
+
+  def find_correction_range(low_rot, high_rot, dim, base,
+                            max_position_embeddings, truncate):
+    low = find_correction_dim(low_rot, dim, base, max_position_embeddings)
+    high = find_correction_dim(high_rot, dim, base, max_position_embeddings)
+    if truncate:
+      low = math.floor(low)
+      high = math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+  def linear_ramp_factor(low, high, dim):
+    if low == high:
+      high += 0.001
+    linear_func = (np.arange(dim, dtype=np.float32) - low) / (high - low)
+    return np.clip(linear_func, 0, 1)
+
+  pos_freqs = base ** (np.arange(0, dim, 2).astype(np.float32) / dim)
+  inv_freq_extrapolation = 1.0 / pos_freqs
+  inv_freq_interpolation = 1.0 / (factor * pos_freqs)
+  low, high = find_correction_range(beta_fast, beta_slow, dim, base,
+                                    original_max_position_embeddings,
+                                    truncate)
+  inv_freq_extrapolation_factor = 1 - linear_ramp_factor(low, high,
+                                                         dim // 2)
+  inv_freq = (inv_freq_interpolation * (1 - inv_freq_extrapolation_factor)
+              + inv_freq_extrapolation * inv_freq_extrapolation_factor)
+  scaling = 1.0
+  if mscale_all_dim:
+    scaling = get_mscale(factor, mscale_all_dim) ** 2
+  return inv_freq, attention_factor, scaling
+
+
+# HF's `rope_parameters` (besides rope_type and rope_theta) of the YaRN
+# cases: the bailing_hybrid_yarn fixture's, DeepSeek-V3's, an explicit
+# attention factor, a ramp of one point (low == high), no scaling at all.
+YARN_CASES = [
+    (8, 10.0, dict(factor=4.0, original_max_position_embeddings=16,
+                   beta_fast=2.0, beta_slow=0.5, truncate=False, mscale=2.0,
+                   mscale_all_dim=1.0)),
+    (64, 1e4, dict(factor=40.0, original_max_position_embeddings=4096,
+                   beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                   mscale_all_dim=1.0)),
+    (16, 1e4, dict(factor=8.0, original_max_position_embeddings=32,
+                   attention_factor=1.5, mscale_all_dim=0.707)),
+    (4, 1e4, dict(factor=4.0, original_max_position_embeddings=16,
+                  beta_fast=32.0, beta_slow=32.0, mscale=3.0)),
+    (8, 100.0, dict(factor=1.0, original_max_position_embeddings=8)),
+]
+YARN = rope.RopeScaling(type="yarn", **YARN_CASES[0][2])
+
+
+@pytest.mark.parametrize("R,theta,hf_params", YARN_CASES)
+def test_yarn_parameters_equal_transformers(R, theta, hf_params):
+  scaling = rope.RopeScaling(type="yarn", **hf_params)
+  inv_freq, factor, scale = _hf_yarn(R, theta, **hf_params)
+  np.testing.assert_allclose(rope.inv_frequencies(R, theta, scaling),
+                             inv_freq, rtol=1e-6)
+  assert np.isclose(rope.rope_attention_factor(scaling), factor, rtol=1e-12)
+  assert np.isclose(rope.softmax_scale_factor(scaling), scale, rtol=1e-12)
+  # Each pair turns by position * inv_freq, its length scaled by `factor`.
+  x = np.zeros((1, 3, 1, R), np.float32)
+  x[..., 0::2] = 1.0
+  y = np.asarray(rope.apply_rope(x, np.array([[0, 5, 37]]), theta, scaling))
+  angle = np.array([0, 5, 37])[:, None] * inv_freq
+  np.testing.assert_allclose(y[0, :, 0, 0::2], factor * np.cos(angle),
+                             rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(y[0, :, 0, 1::2], factor * np.sin(angle),
+                             rtol=2e-5, atol=2e-6)
+
+
+def test_rope_scaling_errors_name_the_field():
+  for kwargs, match in ((dict(type="linear"), "rope_scaling.type"),
+                        (dict(type="yarn"),
+                         "original_max_position_embeddings"),
+                        (dict(type="yarn", factor=0.0,
+                              original_max_position_embeddings=8),
+                         "rope_scaling.factor"),
+                        (dict(type="yarn", beta_slow=-1.0,
+                              original_max_position_embeddings=8),
+                         "rope_scaling.beta_slow")):
+    with pytest.raises(ValueError, match=match):
+      rope.RopeScaling(**kwargs)
+  x = np.ones((1, 4, D), np.float32)
+  with pytest.raises(ValueError, match="rope_scaling.type 'yarn' needs RoPE"):
+    _transformed(use_nope=True, rope_scaling=YARN).init(jax.random.key(0), x)
+
+
+def _rope_complex(x, pos, theta, scaling=None):
+  """Interleaved RoPE via complex numbers: pair (2i, 2i+1) is one complex;
+  YaRN's frequencies and factor from `_hf_yarn`."""
   R = x.shape[-1]
   z = x[..., 0::2] + 1j * x[..., 1::2]
-  freq = theta ** (-np.arange(0, R, 2) / R)
-  z = z * np.exp(1j * pos[:, :, None, None] * freq)
+  freq, factor = theta ** (-np.arange(0, R, 2) / R), 1.0
+  if scaling is not None:
+    freq, factor, _ = _hf_yarn(R, theta, **scaling)
+  z = z * np.exp(1j * pos[:, :, None, None] * freq) * factor
   out = np.empty_like(x)
   out[..., 0::2], out[..., 1::2] = z.real, z.imag
   return out
 
 
 def _naive(params, x, seg, pos, *, q_lora_rank, use_nope, output_gate,
-           theta=100.0):
-  """MLA in float64 numpy with an explicit loop-built mask."""
+           theta=100.0, scaling=None):
+  """MLA in float64 numpy with an explicit loop-built mask (`scaling`:
+  HF's YaRN `rope_parameters`; biases where `params` has them)."""
   p = {k.split("/", 1)[1] if "/" in k else k: {n: np.asarray(v, np.float64)
                                                for n, v in d.items()}
        for k, d in params.items()}
+  dense = lambda v, name: v @ p[name]["w"] + p[name].get("b", 0.0)
   x = x.astype(np.float64)
   B, T, _ = x.shape
   N, R = DIMS["qk_nope_head_dim"], DIMS["qk_rope_head_dim"]
   E, C = DIMS["v_head_dim"], DIMS["kv_lora_rank"]
   if q_lora_rank:
-    q = _rms(x @ p["q_a_proj"]["w"], p["q_a_norm"]["weight"])
+    q = _rms(dense(x, "q_a_proj"), p["q_a_norm"]["weight"])
     q = q @ p["q_b_proj"]["w"]
   else:
     q = x @ p["q_proj"]["w"]
   q = q.reshape(B, T, H, N + R)
-  kv_a = x @ p["kv_a_proj"]["w"]
+  kv_a = dense(x, "kv_a_proj")
   kv = (_rms(kv_a[..., :C], p["kv_a_norm"]["weight"])
         @ p["kv_b_proj"]["w"]).reshape(B, T, H, N + E)
   k_rope = kv_a[..., None, C:]
   q_rope = q[..., N:]
   if not use_nope:
-    q_rope = _rope_complex(q_rope, pos, theta)
-    k_rope = _rope_complex(k_rope, pos, theta)
+    q_rope = _rope_complex(q_rope, pos, theta, scaling)
+    k_rope = _rope_complex(k_rope, pos, theta, scaling)
+  scale = (1.0 if scaling is None else _hf_yarn(R, theta, **scaling)[2]
+           ) / np.sqrt(N + R)
   out = np.zeros((B, T, H, E))
   for b in range(B):
     for h in range(H):
@@ -77,7 +197,7 @@ def _naive(params, x, seg, pos, *, q_lora_rank, use_nope, output_gate,
           continue
         keys = [s for s in range(t + 1) if seg[b, s] == seg[b, t]]
         sc = np.array([(q[b, t, h, :N] @ kv[b, s, h, :N]
-                        + q_rope[b, t, h] @ k_rope[b, s, 0]) / np.sqrt(N + R)
+                        + q_rope[b, t, h] @ k_rope[b, s, 0]) * scale
                        for s in keys])
         w = np.exp(sc - sc.max())
         w /= w.sum()
@@ -85,22 +205,38 @@ def _naive(params, x, seg, pos, *, q_lora_rank, use_nope, output_gate,
                            for wi, s in zip(w, keys, strict=True))
   if output_gate:
     out = out / (1.0 + np.exp(-(x @ p["g_proj"]["w"])))[..., None]
-  return out.reshape(B, T, H * E) @ p["o_proj"]["w"]
+  return dense(out.reshape(B, T, H * E), "o_proj")
 
 
-@pytest.mark.parametrize("q_lora_rank,use_nope,output_gate,q_block", [
-    (0, False, True, 512), (8, False, False, 512), (0, True, False, 512),
-    (0, False, True, 5)])
-def test_equals_naive_attention(q_lora_rank, use_nope, output_gate, q_block):
+def _random_biases(params, seed):
+  """`params` with its (zero-initialised) biases drawn at random."""
+  rng = np.random.default_rng(seed)
+  return {m: {n: (rng.standard_normal(v.shape).astype(v.dtype) * 0.5
+                  if n == "b" else v) for n, v in d.items()}
+          for m, d in params.items()}
+
+
+@pytest.mark.parametrize("q_lora_rank,use_nope,output_gate,q_block,yarn", [
+    (0, False, True, 512, False), (8, False, False, 512, False),
+    (0, True, False, 512, False), (0, False, True, 5, False),
+    (8, False, True, 5, True)])
+def test_equals_naive_attention(q_lora_rank, use_nope, output_gate, q_block,
+                                yarn):
+  """The YaRN case also has biases (Ling's `attention_bias`)."""
   x = np.random.default_rng(0).standard_normal((2, 12, D)).astype(np.float32)
+  extra = dict(rope_scaling=YARN, bias=True, rope_theta=10.0) if yarn else {}
   f = _transformed(q_lora_rank=q_lora_rank, use_nope=use_nope,
-                   output_gate=output_gate, q_block=q_block)
-  params = f.init(jax.random.key(0), x, SEG)
+                   output_gate=output_gate, q_block=q_block, **extra)
+  params = _random_biases(f.init(jax.random.key(0), x, SEG), 0)
+  assert sum(n == "b" for d in params.values() for n in d) == 3 * yarn
   got = np.asarray(f.apply(params, x, SEG))
   ref = _naive(params, x, SEG, POS, q_lora_rank=q_lora_rank,
-               use_nope=use_nope, output_gate=output_gate)
-  # Padding queries output zeros (before o_proj, which has no bias).
-  np.testing.assert_array_equal(got[0, 9:], 0.0)
+               use_nope=use_nope, output_gate=output_gate,
+               theta=10.0 if yarn else 100.0,
+               scaling=YARN_CASES[0][2] if yarn else None)
+  # Padding queries output zeros before o_proj (then its bias).
+  pad = params["mla/o_proj"]["b"] if yarn else np.zeros(D, np.float32)
+  np.testing.assert_array_equal(got[0, 9:], np.broadcast_to(pad, (3, D)))
   err = np.abs(got - ref).max() / np.abs(ref).max()
   assert err <= 1e-5, err
   # Explicit positions equal to the derived ones give identical outputs.
@@ -189,8 +325,8 @@ def record_rope(monkeypatch):
   calls = []
   apply_rope = rope.apply_rope
 
-  def recording(x, positions, theta):
-    out = apply_rope(x, positions, theta)
+  def recording(x, positions, theta, scaling=rope.NO_SCALING):
+    out = apply_rope(x, positions, theta, scaling)
     calls.append((positions, out))
     return out
 
@@ -248,15 +384,17 @@ def _mla_decode_fns(max_len, **kwargs):
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(output_gate=True), dict(q_lora_rank=8), dict(use_nope=True)],
-    ids=["gate", "q_lora", "nope"])
+    dict(output_gate=True), dict(q_lora_rank=8), dict(use_nope=True),
+    dict(q_lora_rank=8, output_gate=True, rope_scaling=YARN, bias=True,
+         rope_theta=10.0)],
+    ids=["gate", "q_lora", "nope", "yarn_bias"])
 def test_decode_steps_equal_the_full_sequence(kwargs):
   """A prefill of 7 tokens and 4 one-token steps with the cache (the
   absorbed latent-space attention) give the full forward's outputs."""
   rng = np.random.default_rng(5)
   x = rng.standard_normal((3, 11, D)).astype(np.float32)
   full, prefill, step = _mla_decode_fns(12, **kwargs)
-  params = full.init(jax.random.key(5), x, DECODE_SEG)
+  params = _random_biases(full.init(jax.random.key(5), x, DECODE_SEG), 5)
   want = np.asarray(full.apply(params, x, DECODE_SEG))
   y, cache = prefill(params, x[:, :PROMPT], DECODE_SEG[:, :PROMPT])
   np.testing.assert_allclose(y, want[:, :PROMPT], rtol=1e-5, atol=1e-6)

@@ -7,6 +7,11 @@ refused on import with a `ValueError` naming the `config.json` field; what
 kda-lm has and the format cannot express is refused on export naming the
 `config.model` option to change.
 
+RoPE scaling: Ling's `rope_parameters` (or the older `rope_scaling`) with
+`rope_type` "yarn" is `model.rope_scaling` (`kda_lm.layers.rope`), read as
+`transformers` reads it; other scaled types are refused. Kimi's MLA applies
+no RoPE and no YaRN softmax scale, so its `rope_parameters` are ignored.
+
 Layer kinds: both formats save `layer_types` ("linear_attention" = KDA,
 "full_attention" = MLA); without it, Ling's rule is `layer_group_size`
 (layer i is MLA when (i + 1) % G == 0) and Kimi's is
@@ -19,6 +24,7 @@ import ml_collections
 
 from kda_lm import config as config_lib
 from kda_lm.hf import mapping
+from kda_lm.layers import rope as rope_lib
 
 # HF's MLA latent norms (q_a_layernorm, kv_a_layernorm) use this epsilon in
 # both formats, whatever `rms_norm_eps` says.
@@ -26,6 +32,9 @@ HF_LATENT_NORM_EPS = 1e-6
 _KINDS = {"linear_attention": "K", "full_attention": "M"}
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16",
            "float16": "float16"}
+# YaRN's `rope_parameters` read and written only when given (kda-lm: 0 =
+# not given; transformers treats an mscale of 0 so too).
+_YARN_OPTIONAL = ("attention_factor", "mscale", "mscale_all_dim")
 
 
 def _get(hf: dict, *names: str, default: Any = None) -> Any:
@@ -45,16 +54,7 @@ def _need(hf: dict, *names: str) -> Any:
 
 def _refuse_unsupported(hf: dict, model_type: str) -> None:
   """Raises for what kda-lm cannot represent, naming the field."""
-  rope = _get(hf, "rope_parameters", "rope_scaling", default={}) or {}
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
-  # Kimi's MLA applies no RoPE (and no YaRN attention scale): ignored there.
-  if rope_type != "default" and model_type == mapping.BAILING:
-    raise ValueError(
-        f"config.json field 'rope_parameters.rope_type' is {rope_type!r}: "
-        f"kda-lm implements only the default RoPE (no YaRN or other rope "
-        f"scaling yet).")
-  checks = (("attention_bias", False, "biases in the MLA projections"),
-            ("tie_word_embeddings", False, "a tied LM head"),
+  checks = (("tie_word_embeddings", False, "a tied LM head"),
             ("hidden_act", "silu", "another activation than SiLU"))
   for names, ok, what in checks:
     names = (names,) if isinstance(names, str) else names
@@ -66,6 +66,74 @@ def _refuse_unsupported(hf: dict, model_type: str) -> None:
                                                 default=True):
     raise ValueError("config.json field 'kda_safe_gate' is False: kda-lm's "
                      "Ling KDA gate is the bounded one only.")
+
+
+def _rope_parameters(hf: dict) -> dict:
+  return _get(hf, "rope_parameters", "rope_scaling", default={}) or {}
+
+
+def _yarn_context(hf: dict, rope: dict) -> int:
+  """YaRN's `original_max_position_embeddings` as transformers resolves it:
+  a top-level field first, then `rope_parameters`', then the model's
+  `max_position_embeddings`."""
+  value = _get(hf, "original_max_position_embeddings") or rope.get(
+      "original_max_position_embeddings") or _get(
+          hf, "max_position_embeddings", "model_max_length")
+  if value is None:
+    raise ValueError("config.json lacks the field "
+                     "'rope_parameters.original_max_position_embeddings'.")
+  return int(value)
+
+
+def _rope_scaling(hf: dict, model_type: str) -> ml_collections.ConfigDict:
+  """`model.rope_scaling` from `rope_parameters` (read as transformers'
+  `_compute_yarn_parameters` and `yarn_apply_mscale` read it)."""
+  out = config_lib.config_dict(rope_lib.RopeScaling)
+  rope = _rope_parameters(hf)
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if model_type == mapping.KIMI or rope_type == "default":
+    return out   # Kimi's MLA applies no RoPE: its scaling is ignored.
+  if rope_type != "yarn":
+    raise ValueError(
+        f"config.json field 'rope_parameters.rope_type' is {rope_type!r}: "
+        f"kda-lm implements 'default' and 'yarn' only.")
+  partial = rope.get("partial_rotary_factor",
+                     _get(hf, "partial_rotary_factor", default=1.0))
+  if partial != 1.0:
+    raise ValueError(f"config.json field 'rope_parameters."
+                     f"partial_rotary_factor' is {partial!r}: kda-lm "
+                     f"rotates all qk_rope_head_dim dims.")
+  if rope.get("factor") is None:
+    raise ValueError("config.json lacks the field 'rope_parameters.factor' "
+                     "(rope_type 'yarn').")
+  out.type = "yarn"
+  out.factor = float(rope["factor"])
+  out.original_max_position_embeddings = _yarn_context(hf, rope)
+  out.beta_fast = float(rope.get("beta_fast") or 32.0)
+  out.beta_slow = float(rope.get("beta_slow") or 1.0)
+  out.truncate = bool(rope.get("truncate", True))
+  if rope.get("attention_factor") is not None and not (
+      rope["attention_factor"] > 0):
+    raise ValueError(f"config.json field 'rope_parameters.attention_factor' "
+                     f"is {rope['attention_factor']!r}: it must be > 0.")
+  for name in _YARN_OPTIONAL:
+    out[name] = float(rope.get(name) or 0.0)
+  return out
+
+
+def _rope_parameters_out(cfg: config_lib.ModelConfig) -> dict:
+  """Ling's `rope_parameters`: what `_rope_scaling` reads back."""
+  out = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+  s = cfg.rope_scaling
+  if s.active:
+    out.update(rope_type=s.type, factor=s.factor,
+               original_max_position_embeddings=(
+                   s.original_max_position_embeddings),
+               beta_fast=s.beta_fast, beta_slow=s.beta_slow,
+               truncate=s.truncate)
+    out.update({name: getattr(s, name) for name in _YARN_OPTIONAL
+                if getattr(s, name)})
+  return out
 
 
 def _pattern(hf: dict, model_type: str, num_layers: int) -> str:
@@ -152,9 +220,10 @@ def from_hf(hf: dict, *, dtype: Optional[str] = None
   m.mlp_hidden_dim = int(_need(hf, "intermediate_size"))
   m.norm_eps = float(_get(hf, "rms_norm_eps", default=1e-6))
   m.mla_norm_eps = HF_LATENT_NORM_EPS
-  rope = _get(hf, "rope_parameters", default={}) or {}
-  m.rope_theta = float(rope.get("rope_theta", _get(hf, "rope_theta",
-                                                   default=10000.0)))
+  m.rope_theta = float(_rope_parameters(hf).get(
+      "rope_theta", _get(hf, "rope_theta", default=10000.0)))
+  m.rope_scaling = _rope_scaling(hf, model_type)
+  m.mla_bias = bool(_get(hf, "attention_bias", default=False))
   m.use_nope = kimi
   m.mla_output_gate = not kimi
   m.kda_gate = "kimi" if kimi else "ling"
@@ -236,7 +305,7 @@ def to_hf(cfg: config_lib.ModelConfig, model_type: str) -> dict:
       "linear_head_dim": cfg.head_dim, "linear_num_heads": cfg.num_heads,
       "linear_conv_kernel_dim": cfg.conv_size,
       "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
-      "attention_bias": False, "tie_word_embeddings": False,
+      "attention_bias": cfg.mla_bias, "tie_word_embeddings": False,
       "layer_types": layer_types,
       "mlp_layer_types": ["dense" if not cfg.is_moe_layer(i) else "sparse"
                           for i in range(n)],
@@ -250,8 +319,7 @@ def to_hf(cfg: config_lib.ModelConfig, model_type: str) -> dict:
       "moe_renormalize": cfg.moe_renormalize, "dtype": cfg.param_dtype,
   }
   if ling:
-    hf.update(rope_parameters={"rope_theta": cfg.rope_theta,
-                               "rope_type": "default"},
+    hf.update(rope_parameters=_rope_parameters_out(cfg),
               rope_theta=cfg.rope_theta,
               short_conv_kernel_size=cfg.conv_size,
               kda_safe_gate=True, kda_lower_bound=cfg.kda_lower_bound,

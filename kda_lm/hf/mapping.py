@@ -9,7 +9,8 @@ side. Layouts (HF linear weights are [out, in]):
   transpose  HF [F,D]       <-> kda-lm `w [D,F]` (also routers, experts)
   conv       HF [C,1,J]     <-> kda-lm `weight [J,C]` (tap J-1 = the
                                 current token on both sides)
-  same       identical arrays (norms, embeddings, biases, `dt_bias`)
+  same       identical arrays (norms, embeddings, biases, `dt_bias`;
+             MLA's `attention_bias` biases are kda-lm's `b`)
   a_log      HF [H] (Ling) or [1,1,H,1] (Kimi) <-> kda-lm `A_log [H]`
 
 The map is for today's unscanned layout (one `layer_{i}` module per
@@ -95,19 +96,26 @@ def _kda_layer(p: str, m: str, model_type: str) -> dict[str, Target]:
 
 def _mla_layer(p: str, m: str, cfg: config_lib.ModelConfig,
                model_type: str) -> dict[str, Target]:
+  mla_out = _NAMES[model_type]["mla_out"]
   out = {f"{p}.kv_a_proj_with_mqa.weight": _linear(f"{m}/kv_a_proj"),
          f"{p}.kv_a_layernorm.weight": _norm(f"{m}/kv_a_norm"),
          f"{p}.kv_b_proj.weight": _linear(f"{m}/kv_b_proj"),
-         f"{p}.{_NAMES[model_type]['mla_out']}.weight": _linear(
-             f"{m}/o_proj")}
+         f"{p}.{mla_out}.weight": _linear(f"{m}/o_proj")}
+  # `attention_bias`: HF biases q_a_proj (with a query latent),
+  # kv_a_proj_with_mqa and the output projection.
+  biased = [("kv_a_proj_with_mqa", "kv_a_proj"), (mla_out, "o_proj")]
   if cfg.q_lora_rank:
     out[f"{p}.q_a_proj.weight"] = _linear(f"{m}/q_a_proj")
     out[f"{p}.q_a_layernorm.weight"] = _norm(f"{m}/q_a_norm")
     out[f"{p}.q_b_proj.weight"] = _linear(f"{m}/q_b_proj")
+    biased.append(("q_a_proj", "q_a_proj"))
   else:
     out[f"{p}.q_proj.weight"] = _linear(f"{m}/q_proj")
   if cfg.mla_output_gate:
     out[f"{p}.g_proj.weight"] = _linear(f"{m}/g_proj")
+  if cfg.mla_bias:
+    out.update({f"{p}.{hf}.bias": Target(f"{m}/{kda}", "b", "same")
+                for hf, kda in biased})
   return out
 
 

@@ -72,7 +72,8 @@ class DecoderBlock(hk.Module):
           qk_nope_head_dim=cfg.qk_nope_head_dim,
           qk_rope_head_dim=cfg.qk_rope_head_dim,
           v_head_dim=cfg.v_head_dim, rope_theta=cfg.rope_theta,
-          use_nope=cfg.use_nope, output_gate=cfg.mla_output_gate,
+          rope_scaling=cfg.rope_scaling, use_nope=cfg.use_nope,
+          output_gate=cfg.mla_output_gate, bias=cfg.mla_bias,
           norm_eps=cfg.mla_norm_eps, param_dtype=pdt, name="mla")(
               h, segment_ids, positions, cache=cache, max_len=max_len)
     if with_cache:

@@ -7,9 +7,13 @@ Q = q_lora_rank, Z = kv_lora_rank; X = U + V (kv_b_proj's output per head).
 
   Q:   [q_nope, q_rope] = RMSNorm(x W_qa) W_qb      (or x W_q when Q = 0)
   KV:  [c_kv, k_rope] = x W_kva; [k_nope, v] = RMSNorm(c_kv) W_kvb
+       (with `bias`: x W_qa + b_qa, x W_kva + b_kva and y = o W_o + b_o)
   RoPE (interleaved, per-document positions) on q_rope and on the single
        k_rope shared by all heads; skipped with `use_nope` (Kimi Linear).
-  s = (q_nope . k_nope + q_rope . k_rope) / sqrt(U + R)
+       With YaRN (`rope_scaling`, `kda_lm/layers/rope.py`) its frequencies
+       are blended and both rotated parts multiplied by its attention factor.
+  s = (q_nope . k_nope + q_rope . k_rope) * scale,
+      scale = m / sqrt(U + R), m = YaRN's `softmax_scale_factor` (else 1)
   mask = causal & same segment & key not padding
   o = softmax(s) v  [* sigmoid(x W_g) per head, Ling 3.0's gated MLA]
   y = o W_o
@@ -33,7 +37,7 @@ masked). Passing `cache` decodes one token per row in the absorbed form
 softmax, so the step attends in latent space and never expands keys or
 values:
 
-  s = (q_lat . c_kv + q_rope . k_rope) / sqrt(U + R)      [B,H,S]
+  s = (q_lat . c_kv + q_rope . k_rope) * scale           [B,H,S]
   o = (softmax(s) c_kv) W_uv                               [B,H,V]
 """
 
@@ -46,6 +50,10 @@ import jax.numpy as jnp
 from kda_lm import segments
 from kda_lm.layers import attention, linear, norm, rope
 from kda_lm.parallel import context as context_parallel
+
+# The projections that get a bias with `bias` (as the formats'
+# `attention_bias`: never q_proj, q_b_proj, kv_b_proj or g_proj).
+_BIASED = ("q_a_proj", "kv_a_proj", "o_proj")
 
 
 class MLACache(NamedTuple):
@@ -215,8 +223,10 @@ class MultiHeadLatentAttention(hk.Module):
 
   def __init__(self, num_heads: int, *, q_lora_rank: int, kv_lora_rank: int,
                qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
-               rope_theta: float = 10000.0, use_nope: bool = False,
-               output_gate: bool = False, norm_eps: float = 1e-6,
+               rope_theta: float = 10000.0,
+               rope_scaling: rope.RopeScaling = rope.NO_SCALING,
+               use_nope: bool = False, output_gate: bool = False,
+               bias: bool = False, norm_eps: float = 1e-6,
                q_block: int = 512, param_dtype=jnp.float32,
                name: Optional[str] = None):
     """Initialises the module.
@@ -230,9 +240,13 @@ class MultiHeadLatentAttention(hk.Module):
         carry RoPE; even unless `use_nope`.
       v_head_dim: V, per-head value dims.
       rope_theta: RoPE base.
+      rope_scaling: YaRN's frequencies, rotation factor and softmax scale
+        (`kda_lm.layers.rope.RopeScaling`); none by default.
       use_nope: no positional rotation (Kimi Linear's NoPE MLA); the R dims
         still exist and the scale still uses U + R.
       output_gate: multiply each head's output by `sigmoid(x W_g)_h`.
+      bias: biases in `q_a_proj` (when Q > 0), `kv_a_proj` and `o_proj`
+        (the formats' `attention_bias`).
       norm_eps: epsilon of the q and kv latent RMSNorms.
       q_block: rows longer than this attend in causal query blocks of this
         many tokens, each recomputed in the backward pass: about half the
@@ -250,7 +264,7 @@ class MultiHeadLatentAttention(hk.Module):
     check_dims(num_heads=num_heads, q_lora_rank=q_lora_rank,
                kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
                qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
-               use_nope=use_nope)
+               use_nope=use_nope, rope_scaling=rope_scaling)
     self.num_heads = num_heads
     self.q_lora_rank = q_lora_rank
     self.kv_lora_rank = kv_lora_rank
@@ -258,8 +272,10 @@ class MultiHeadLatentAttention(hk.Module):
     self.qk_rope_head_dim = qk_rope_head_dim
     self.v_head_dim = v_head_dim
     self.rope_theta = rope_theta
+    self.rope_scaling = rope_scaling
     self.use_nope = use_nope
     self.output_gate = output_gate
+    self.bias = bias
     self.norm_eps = norm_eps
     self.q_block = q_block
     self.param_dtype = param_dtype
@@ -290,8 +306,10 @@ class MultiHeadLatentAttention(hk.Module):
     B, T, _ = _check_shapes(x, segment_ids, positions, cache)
     segment_ids = segments.check(segment_ids, (B, T))
     # Modules are built inside __call__ so their names carry no method scope.
+    biased = _BIASED if self.bias else ()
     dense = lambda size, name: linear.Dense(
-        size, param_dtype=self.param_dtype, name=name)
+        size, with_bias=name in biased, param_dtype=self.param_dtype,
+        name=name)
     rms = lambda name: norm.RMSNorm(self.norm_eps, self.param_dtype,
                                     name=name)
     H, U, R = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
@@ -310,9 +328,10 @@ class MultiHeadLatentAttention(hk.Module):
     k_rope_BT1R = k_rope_BTR[:, :, None, :]
     if R and not self.use_nope:
       positions = _rope_positions(B, T, segment_ids, positions, cache)
-      q_rope_BTHR = rope.apply_rope(q_rope_BTHR, positions, self.rope_theta)
-      k_rope_BT1R = rope.apply_rope(k_rope_BT1R, positions, self.rope_theta)
-    scale = (U + R) ** -0.5
+      q_rope_BTHR, k_rope_BT1R = (
+          rope.apply_rope(a, positions, self.rope_theta, self.rope_scaling)
+          for a in (q_rope_BTHR, k_rope_BT1R))
+    scale = (U + R) ** -0.5 * rope.softmax_scale_factor(self.rope_scaling)
     if cache is not None:
       o_BHV, new_cache = _decode_attend(
           q_nope_BTHU[:, 0], q_rope_BTHR[:, 0], c_kv_BTZ[:, 0],
@@ -342,12 +361,13 @@ class MultiHeadLatentAttention(hk.Module):
 
 def check_dims(*, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
                qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
-               use_nope: bool) -> None:
-  """Validates MLA dimensions.
+               use_nope: bool,
+               rope_scaling: rope.RopeScaling = rope.NO_SCALING) -> None:
+  """Validates MLA dimensions (and that RoPE scaling has a RoPE).
 
   Raises:
     ValueError: a non-int or out-of-range value, no query/key dims at all,
-      or an odd RoPE dimension with RoPE on.
+      an odd RoPE dimension with RoPE on, or RoPE scaling with `use_nope`.
   """
   for key, value, low in (("num_heads", num_heads, 1),
                           ("q_lora_rank", q_lora_rank, 0),
@@ -362,12 +382,15 @@ def check_dims(*, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
   if not use_nope and qk_rope_head_dim % 2:
     raise ValueError(f"MLA qk_rope_head_dim must be even for (interleaved) "
                      f"RoPE, got {qk_rope_head_dim}; or set use_nope.")
+  if use_nope and rope_scaling.active:
+    raise ValueError(f"MLA rope_scaling.type {rope_scaling.type!r} needs "
+                     f"RoPE, and use_nope is set; use type 'none'.")
 
 
 def param_count(d_model: int, num_heads: int, *, q_lora_rank: int,
                 kv_lora_rank: int, qk_nope_head_dim: int,
                 qk_rope_head_dim: int, v_head_dim: int,
-                output_gate: bool) -> int:
+                output_gate: bool, bias: bool = False) -> int:
   """Parameters of one MLA layer, by shape arithmetic (for tests)."""
   D, H, U, R = d_model, num_heads, qk_nope_head_dim, qk_rope_head_dim
   V, Q, Z = v_head_dim, q_lora_rank, kv_lora_rank
@@ -375,4 +398,6 @@ def param_count(d_model: int, num_heads: int, *, q_lora_rank: int,
   n += D * (Z + R) + Z + Z * H * (U + V) + H * V * D
   if output_gate:
     n += D * H
+  if bias:
+    n += Q + Z + R + D
   return int(n)
