@@ -142,26 +142,20 @@ def _remat_grad(remat, params, tokens, seg):
   return jax.jit(jax.grad(lambda p: _loss(m, p, tokens, seg)[0]))
 
 
-def test_remat_policies_keep_gradients():
-  # Not bit-identical: the recomputed forward fuses differently (float32
-  # rounding; measured up to 5e-6 relative on a leaf).
-  params = stack.to_scanned(_params(), SCANNED)
-  tokens, seg = _batch(3)
-  want = _remat_grad("none", params, tokens, seg)(params)
-  for remat in ("save_dots", "save_outputs", "full"):
-    got = _remat_grad(remat, params, tokens, seg)(params)
-    errs = jax.tree.map(testing.rel_err, got, want)
-    assert max(jax.tree.leaves(errs)) < 1e-5, remat
-
-
-def test_remat_policies_save_less_and_less():
+def test_remat_policies_keep_gradients_and_save_less_and_less():
+  # Gradients not bit-identical: the recomputed forward fuses differently
+  # (float32 rounding; up to 6e-6 relative on a leaf, and as much on the
+  # MTP block's leaves, which no policy rematerialises).
   params = stack.to_scanned(_params(), SCANNED)
   tokens, seg = _batch(3, B=4, T=64)
-  temp = {}
+  temp, grads = {}, {}
   for remat in config.REMAT_POLICIES:
     compiled = _remat_grad(remat, params, tokens, seg).lower(
         params).compile()
     temp[remat] = compiled.memory_analysis().temp_size_in_bytes
+    grads[remat] = compiled(params)
+    errs = jax.tree.map(testing.rel_err, grads[remat], grads["none"])
+    assert max(jax.tree.leaves(errs)) < 1e-5, remat
   sizes = [temp[r] for r in config.REMAT_POLICIES]
   assert sizes == sorted(sizes, reverse=True), temp
   assert temp["full"] < temp["none"], temp
