@@ -5,6 +5,8 @@ are in place before any test initialises a JAX backend.
 """
 
 import kda_lm  # noqa: F401  (side effect: XLA flags)  # isort: skip
+import jax
+from jax.experimental.compilation_cache import compilation_cache
 import pytest
 
 from kda_lm import testing
@@ -25,3 +27,18 @@ def fast_compile():
   """
   with testing.most_optimizations_disabled():
     yield
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+  """A persistent compilation cache for a test module, shared with its
+  subprocesses: a program compiled again (a resumed run) is read back."""
+  path = str(tmp_path_factory.mktemp("jax_cache"))
+  old = (jax.config.jax_compilation_cache_dir,
+         jax.config.jax_persistent_cache_min_compile_time_secs)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  yield path
+  jax.config.update("jax_compilation_cache_dir", old[0])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
+  compilation_cache.reset_cache()

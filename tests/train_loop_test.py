@@ -12,7 +12,6 @@ import types
 from unittest import mock
 
 import jax
-from jax.experimental.compilation_cache import compilation_cache
 import ml_collections
 import numpy as np
 import pytest
@@ -58,20 +57,6 @@ def get_config(arg=None):
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
   return str(tmp_path_factory.mktemp("tfds"))
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-  """A persistent compilation cache shared with the subprocesses."""
-  path = str(tmp_path_factory.mktemp("jax_cache"))
-  old = (jax.config.jax_compilation_cache_dir,
-         jax.config.jax_persistent_cache_min_compile_time_secs)
-  jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  yield path
-  jax.config.update("jax_compilation_cache_dir", old[0])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
-  compilation_cache.reset_cache()
 
 
 def write_config_file(tmp_path, data_dir, **extra):
