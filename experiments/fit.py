@@ -37,6 +37,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import copy  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import importlib  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
@@ -220,16 +221,11 @@ def _report(m, chip, B, remat) -> Fit:
   return f
 
 
-def grow(m, chip, remat) -> int:
-  """The largest batch (doubling from --batch) whose step fits."""
-  B = _BATCH.value
-  while _report(m, chip, 2 * B, remat).fits(chip):
+def grow(report, chip: Chip, B: int) -> int:
+  """The largest batch, doubling from B (which fits), whose step fits;
+  `report(B)` compiles and prints one row."""
+  while report(2 * B).fits(chip):
     B *= 2
-  rows = B // _ACCUM.value
-  print(f"largest micro-batch that fits with remat={remat}: {rows} rows "
-        f"({rows // mesh_devices(_MESH.value) or rows} per device; "
-        f"batch {B} with grad_accum={_ACCUM.value}); the next doubling "
-        f"does not fit", flush=True)
   return B
 
 
@@ -249,7 +245,13 @@ def main(argv):
   for remat in policies:
     if _report(m, chip, _BATCH.value, remat).fits(chip):
       if _GROW.value:
-        grow(m, chip, remat)
+        B = grow(functools.partial(_report, m, chip, remat=remat), chip,
+                 _BATCH.value)
+        rows = B // _ACCUM.value
+        print(f"largest micro-batch that fits with remat={remat}: {rows} "
+              f"rows ({rows / mesh_devices(_MESH.value):g} per device; "
+              f"batch {B}, grad_accum={_ACCUM.value}); twice as many do "
+              f"not fit", flush=True)
       return 0
   return 1
 
