@@ -50,27 +50,6 @@ import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
 from kda_lm import config as config_lib  # noqa: E402
 from kda_lm import stack  # noqa: E402
 
-_MODEL = flags.DEFINE_string("model", "ling3:tiny",
-                             "configs module[:arg]: ling3:tiny, ling3:flash, "
-                             "kimi_linear.")
-_TARGET = flags.DEFINE_string("target", "v5p-8", "A key of CHIPS' slices.")
-_MESH = flags.DEFINE_string("mesh", "fsdp=4", "Axis sizes, e.g. "
-                            "data=2+fsdp=2 (missing axes 1).")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "T, tokens per row.")
-_BATCH = flags.DEFINE_integer("batch", 4, "Global rows per optimizer step.")
-_REMAT = flags.DEFINE_enum("remat", "none", config_lib.REMAT_POLICIES,
-                           "config.train.remat.")
-_ACCUM = flags.DEFINE_integer("grad_accum", 1, "config.train.grad_accum_steps.")
-_SEARCH = flags.DEFINE_bool("search", False, "Try the remat policies in "
-                            "order and stop at the first that fits.")
-_GROW = flags.DEFINE_bool("grow", False, "Double --batch while the step "
-                          "fits; report the largest micro-batch.")
-_UNSCANNED_FLOPS = flags.DEFINE_bool(
-    "unscanned_flops", False, "Read the compiled FLOPs from a second, "
-    "unscanned compile of the same step.")
-_LAYERS = flags.DEFINE_integer("layers", 0, "Cut to n layers (0 = all).")
-_SCAN = flags.DEFINE_bool("scan", True, "config.model.scan_layers.")
-
 GIB = 2.0 ** 30
 
 
@@ -214,10 +193,11 @@ def mesh_devices(mesh_text: str) -> int:
 
 
 def _report(m, chip, B, remat) -> Fit:
-  f = fit(m, _MESH.value, chip, B, _SEQ_LEN.value, remat, _ACCUM.value,
-          _UNSCANNED_FLOPS.value)
-  print(row(_MODEL.value, _TARGET.value, _MESH.value, _SEQ_LEN.value, B,
-            _ACCUM.value, remat, chip, f), flush=True)
+  F = flags.FLAGS  # pylint: disable=invalid-name
+  f = fit(m, F.mesh, chip, B, F.seq_len, remat, F.grad_accum,
+          F.unscanned_flops)
+  print(row(F.model, F.target, F.mesh, F.seq_len, B, F.grad_accum, remat,
+            chip, f), flush=True)
   return f
 
 
@@ -231,30 +211,54 @@ def grow(report, chip: Chip, B: int) -> int:
 
 def main(argv):
   del argv
-  chip = CHIPS[_TARGET.value]
-  m = model_config(_MODEL.value, _LAYERS.value, _SCAN.value)
-  print(f"jax {jax.__version__}; {_MODEL.value}: "
-        f"{len(m.attention_pattern)} layers, scan_layers={_SCAN.value}, "
-        f"{m.compute_dtype} activations; {_TARGET.value} ({chip.name}, "
+  F = flags.FLAGS  # pylint: disable=invalid-name
+  chip = CHIPS[F.target]
+  m = model_config(F.model, F.layers, F.scan)
+  print(f"jax {jax.__version__}; {F.model}: "
+        f"{len(m.attention_pattern)} layers, scan_layers={F.scan}, "
+        f"{m.compute_dtype} activations; {F.target} ({chip.name}, "
         f"{chip.hbm_gib:.0f} GiB, {chip.peak_tflops:.0f} TFLOP/s bf16)",
         flush=True)
   print(HEADER)
   print("|" + "---|" * 17, flush=True)
-  policies = (config_lib.REMAT_POLICIES if _SEARCH.value
-              else (_REMAT.value,))
+  policies = config_lib.REMAT_POLICIES if F.search else (F.remat,)
   for remat in policies:
-    if _report(m, chip, _BATCH.value, remat).fits(chip):
-      if _GROW.value:
+    if _report(m, chip, F.batch, remat).fits(chip):
+      if F.grow:
         B = grow(functools.partial(_report, m, chip, remat=remat), chip,
-                 _BATCH.value)
-        rows = B // _ACCUM.value
+                 F.batch)
+        rows = B // F.grad_accum
         print(f"largest micro-batch that fits with remat={remat}: {rows} "
-              f"rows ({rows / mesh_devices(_MESH.value):g} per device; "
-              f"batch {B}, grad_accum={_ACCUM.value}); twice as many do "
+              f"rows ({rows / mesh_devices(F.mesh):g} per device; "
+              f"batch {B}, grad_accum={F.grad_accum}); twice as many do "
               f"not fit", flush=True)
       return 0
   return 1
 
 
+def define_flags():
+  """The command's flags (defined only when run: tests import this
+  module's functions next to other experiments' flags)."""
+  flags.DEFINE_string("model", "ling3:tiny", "configs module[:arg]: "
+                      "ling3:tiny, ling3:flash, kimi_linear.")
+  flags.DEFINE_string("target", "v5p-8", "A key of CHIPS' slices.")
+  flags.DEFINE_string("mesh", "fsdp=4", "Axis sizes, e.g. data=2+fsdp=2 "
+                      "(missing axes 1).")
+  flags.DEFINE_integer("seq_len", 4096, "T, tokens per row.")
+  flags.DEFINE_integer("batch", 4, "Global rows per optimizer step.")
+  flags.DEFINE_enum("remat", "none", config_lib.REMAT_POLICIES,
+                    "config.train.remat.")
+  flags.DEFINE_integer("grad_accum", 1, "config.train.grad_accum_steps.")
+  flags.DEFINE_bool("search", False, "Try the remat policies in order and "
+                    "stop at the first that fits.")
+  flags.DEFINE_bool("grow", False, "Double --batch while the step fits; "
+                    "report the largest micro-batch.")
+  flags.DEFINE_bool("unscanned_flops", False, "Read the compiled FLOPs from "
+                    "a second, unscanned compile of the same step.")
+  flags.DEFINE_integer("layers", 0, "Cut to n layers (0 = all).")
+  flags.DEFINE_bool("scan", True, "config.model.scan_layers.")
+
+
 if __name__ == "__main__":
+  define_flags()
   app.run(lambda argv: sys.exit(main(argv)))

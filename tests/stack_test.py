@@ -142,10 +142,32 @@ def _remat_grad(remat, params, tokens, seg):
   return jax.jit(jax.grad(lambda p: _loss(m, p, tokens, seg)[0]))
 
 
+def _flat(tree):
+  return np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
+
+
+def _ulp_floor(grad_fn, params, seeds=(0, 1)):
+  """How far the gradient moves when every parameter moves by one float32
+  ulp (relative 2^-23, random sign): the rounding any float32 recompute
+  can cause, measured on this host."""
+  base = _flat(grad_fn(params))
+  floor = 0.0
+  for seed in seeds:
+    rng = np.random.default_rng(seed)
+    nudged = jax.tree.map(lambda x, r=rng: x * (1 + np.float32(
+        2.0 ** -23) * r.choice(np.array([-1, 1], np.float32), x.shape)),
+                          params)
+    floor = max(floor, testing.rel_err(_flat(grad_fn(nudged)), base))
+  return floor
+
+
 def test_remat_policies_keep_gradients_and_save_less_and_less():
-  # Gradients not bit-identical: the recomputed forward fuses differently
-  # (float32 rounding; up to 6e-6 relative on a leaf, and as much on the
-  # MTP block's leaves, which no policy rematerialises).
+  # Not bit-identical: the recomputed forward fuses (and vectorises exp and
+  # log) differently, so activations differ by an ulp. Measured: 2.0e-6 to
+  # 2.4e-6 relative over all parameters, up to 5.8e-6 on a leaf (the MTP
+  # block's too, which no policy rematerialises), while a one-ulp nudge of
+  # the parameters alone moves this gradient by 3.1e-6 to 3.9e-6. So the
+  # bound is that floor, measured in the same run, not a fixed 1e-6.
   params = stack.to_scanned(_params(), SCANNED)
   tokens, seg = _batch(3, B=4, T=64)
   temp, grads = {}, {}
@@ -154,9 +176,11 @@ def test_remat_policies_keep_gradients_and_save_less_and_less():
         params).compile()
     temp[remat] = compiled.memory_analysis().temp_size_in_bytes
     grads[remat] = compiled(params)
-    # Within 1e-6 over all parameters; a leaf within 1e-5.
-    flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
-    assert testing.rel_err(flat(grads[remat]), flat(grads["none"])) < 1e-6
+    if remat == "none":
+      floor = _ulp_floor(compiled, params)
+      assert 1e-7 < floor < 1e-5, floor
+    err = testing.rel_err(_flat(grads[remat]), _flat(grads["none"]))
+    assert err < floor, (remat, err, floor)
     errs = jax.tree.map(testing.rel_err, grads[remat], grads["none"])
     assert max(jax.tree.leaves(errs)) < 1e-5, remat
   sizes = [temp[r] for r in config.REMAT_POLICIES]

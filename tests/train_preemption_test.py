@@ -11,7 +11,7 @@ from absl import logging
 import numpy as np
 import pytest
 import train_loop_test as loop_test
-from train_loop_test import cache_dir, data_dir  # noqa: F401  (fixtures)
+from train_loop_test import data_dir  # noqa: F401  (fixture)
 
 from kda_lm import testing
 from kda_lm.checkpoint import manager as manager_lib
