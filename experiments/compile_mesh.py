@@ -186,12 +186,12 @@ def backend(platform):
 
 
 def compile_step(m, mesh_config, devs, B, T, platform, remat="none",
-                 accum=1):
-  """The compiled training step (`remat` policy, `accum` micro-batches):
-  (compiled, seconds)."""
+                 accum=1, loss_chunks=1):
+  """The compiled training step (`remat` policy, `accum` micro-batches,
+  the loss in `loss_chunks` pieces): (compiled, seconds)."""
   mesh = sharding.make_mesh(mesh_config, list(devs))
   sharding.check_expert_axis(mesh_config.expert, m.num_experts)
-  sharding.check_batch_shape(mesh, B, T, accum)
+  sharding.check_batch_shape(mesh, B, T, accum, loss_chunks)
   model = model_lib.build(m, remat=remat)
   opt = ling3.get_config().opt
   tx, schedule = optimizer.make_optimizer(opt, 100)
@@ -205,7 +205,8 @@ def compile_step(m, mesh_config, devs, B, T, platform, remat="none",
   batch = dict(inputs=tok, targets=tok, segment_ids=tok, positions=tok,
                loss_mask=jax.ShapeDtypeStruct((B, T), jnp.float32,
                                               sharding=rows))
-  update = jax.jit(step_lib.make_update_fn(model, tx, schedule, m, accum),
+  update = jax.jit(step_lib.make_update_fn(model, tx, schedule, m, accum,
+                                           loss_chunks),
                    out_shardings=(shardings, sharding.replicated(mesh)),
                    donate_argnums=0)
   start = time.time()

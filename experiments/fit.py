@@ -118,12 +118,12 @@ class Fit:
     return not self.error and self.total_gib <= chip.hbm_gib
 
 
-def _compile(m, mesh_text, chip, B, T, remat, accum):
+def _compile(m, mesh_text, chip, B, T, remat, accum, loss_chunks):
   """(compiled step, compile seconds) on the target's first devices."""
   return compile_mesh.compile_step(
       m, compile_mesh.parse_mesh(mesh_text),
       list(target_devices(chip))[:mesh_devices(mesh_text)], B, T,
-      chip.platform, remat, accum)
+      chip.platform, remat, accum, loss_chunks)
 
 
 def _tflop(compiled) -> float:
@@ -133,7 +133,8 @@ def _tflop(compiled) -> float:
 
 
 def fit(m, mesh_text: str, chip: Chip, B: int, T: int, remat: str,
-        accum: int, unscanned_flops: bool = False) -> Fit:
+        accum: int, unscanned_flops: bool = False,
+        loss_chunks: int = 1) -> Fit:
   """Compiles one step and reads its memory and FLOPs (with
   `unscanned_flops`, the FLOPs of a second compile, every layer
   unrolled)."""
@@ -142,7 +143,8 @@ def fit(m, mesh_text: str, chip: Chip, B: int, T: int, remat: str,
   scanned = bool(m.scan_layers) and stack.find_group(
       config_lib.ModelConfig.from_config(m)).period > 0
   try:
-    compiled, out.seconds = _compile(m, mesh_text, chip, B, T, remat, accum)
+    compiled, out.seconds = _compile(m, mesh_text, chip, B, T, remat, accum,
+                                     loss_chunks)
     memory = compiled.memory_analysis()
     out.args_gib = memory.argument_size_in_bytes / GIB
     out.temp_gib = memory.temp_size_in_bytes / GIB
@@ -152,7 +154,8 @@ def fit(m, mesh_text: str, chip: Chip, B: int, T: int, remat: str,
     if scanned and unscanned_flops and out.compiled_tflop:
       flat = copy.deepcopy(m)
       flat.scan_layers = False
-      compiled, seconds = _compile(flat, mesh_text, chip, B, T, remat, accum)
+      compiled, seconds = _compile(flat, mesh_text, chip, B, T, remat, accum,
+                                   loss_chunks)
       out.compiled_tflop, out.flops_complete = _tflop(compiled), True
       out.seconds += seconds
   except Exception as e:  # pylint: disable=broad-except
@@ -195,8 +198,10 @@ def mesh_devices(mesh_text: str) -> int:
 def _report(m, chip, B, remat) -> Fit:
   F = flags.FLAGS  # pylint: disable=invalid-name
   f = fit(m, F.mesh, chip, B, F.seq_len, remat, F.grad_accum,
-          F.unscanned_flops)
-  print(row(F.model, F.target, F.mesh, F.seq_len, B, F.grad_accum, remat,
+          F.unscanned_flops, F.loss_chunks)
+  label = remat if F.loss_chunks == 1 else (
+      f"{remat}, loss in {F.loss_chunks}")
+  print(row(F.model, F.target, F.mesh, F.seq_len, B, F.grad_accum, label,
             chip, f), flush=True)
   return f
 
@@ -249,6 +254,8 @@ def define_flags():
   flags.DEFINE_enum("remat", "none", config_lib.REMAT_POLICIES,
                     "config.train.remat.")
   flags.DEFINE_integer("grad_accum", 1, "config.train.grad_accum_steps.")
+  flags.DEFINE_integer("loss_chunks", 1, "config.train.loss_chunks (the "
+                       "remat column then reads `<remat>, loss in <n>`).")
   flags.DEFINE_bool("search", False, "Try the remat policies in order and "
                     "stop at the first that fits.")
   flags.DEFINE_bool("grow", False, "Double --batch while the step fits; "

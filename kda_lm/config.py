@@ -440,9 +440,16 @@ class TrainConfig:
   # rows) runs in this many slices of batch_size / n rows, gradients and
   # statistics summed, the update that of the whole batch.
   grad_accum_steps: int = 1
+  # Strided pieces of each row that the LM head and the cross-entropy run
+  # in (kda_lm/losses.py): n > 1 holds one piece's [B, T/n, W] float32
+  # logits at a time (recomputed in the backward pass) instead of the
+  # whole row's, for the main and the MTP heads. Must divide T (and T/n
+  # the context axis). 1 = the model returns logits as usual.
+  loss_chunks: int = 1
 
   def __post_init__(self):
-    for name in ("num_steps", "log_every", "grad_accum_steps"):
+    for name in ("num_steps", "log_every", "grad_accum_steps",
+                 "loss_chunks"):
       if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
         raise ValueError(f"config.train.{name} must be an int >= 1, got "
                          f"{getattr(self, name)!r}.")

@@ -2,7 +2,12 @@
 the segment-aware multi-token-prediction loss, and the one eval step that
 training and `kda_lm.infer.evaluate` share.
 
-Shapes as docs/glossary.md (B rows, T tokens, W vocabulary).
+Each takes either logits or, with the LM head's weight, the final hidden
+states: then the head and the cross-entropy run over `chunks` strided
+pieces of the rows, each piece's logits recomputed in the backward pass,
+so that no [B,T,W] float32 logits are held (`config.train.loss_chunks`).
+
+Shapes as docs/glossary.md (B rows, T tokens, D width, W vocabulary).
 """
 
 from typing import Any, Callable, Mapping, Optional
@@ -12,28 +17,79 @@ import jax.numpy as jnp
 import optax
 
 from kda_lm.layers import mtp
+from kda_lm.parallel import context
 
 Batch = Mapping[str, jax.Array]
 
 
-def loss_terms(logits: jax.Array, batch: Batch
+def _ce_and_correct(logits, targets, mask):
+  """The masked cross-entropy and correct-argmax sums of float32 logits."""
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+  return jnp.stack([(ce * mask).sum(), (correct * mask).sum()])
+
+
+def _pieces(x, chunks):
+  """[B,T,...] -> [chunks, B,T/chunks,...]; piece j holds tokens j,
+  j+chunks, ...: every piece spans the whole row, so a row split over
+  `context` splits each piece the same way."""
+  B, T = x.shape[:2]
+  return jnp.moveaxis(x.reshape(B, T // chunks, chunks, *x.shape[2:]), 2, 0)
+
+
+def _chunked_sums(y_BTD, head_DW, targets, mask, chunks):
+  """`_ce_and_correct` of `y @ head` one piece (`_pieces`) at a time."""
+  T = y_BTD.shape[1]
+  if not isinstance(chunks, int) or chunks < 1 or T % chunks:
+    raise ValueError(f"config.train.loss_chunks must be an int >= 1 that "
+                     f"divides the row length {T}, got {chunks!r}.")
+  w_DW = head_DW.astype(y_BTD.dtype)
+
+  @jax.checkpoint
+  def piece(total, xs):
+    y, t, m = xs
+    logits = context.constrain_rows(
+        jnp.dot(y, w_DW, preferred_element_type=jnp.float32))
+    return total + _ce_and_correct(logits, t, m), None
+
+  sums, _ = jax.lax.scan(piece, jnp.zeros(2, jnp.float32),
+                         (_pieces(y_BTD, chunks), _pieces(targets, chunks),
+                          _pieces(mask, chunks)))
+  return sums
+
+
+def _sums(out, targets, mask, head_DW, chunks):
+  """[loss sum, correct sum] of logits `out`, or of hidden states `out`
+  through `head_DW` in `chunks` pieces."""
+  mask = mask.astype(jnp.float32)
+  if head_DW is None:
+    return _ce_and_correct(out.astype(jnp.float32), targets, mask)
+  return _chunked_sums(out, head_DW, targets, mask, chunks)
+
+
+def loss_terms(logits: jax.Array, batch: Batch,
+               head_DW: Optional[jax.Array] = None, chunks: int = 1
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Masked cross-entropy sums.
 
   Args:
-    logits: [B,T,W] float32.
+    logits: [B,T,W] float32; or, with `head_DW`, the final hidden states
+      [B,T,D] that the LM head maps to logits.
     batch: with `targets` [B,T] int and `loss_mask` [B,T] float.
+    head_DW: the LM head's weight (`kda_lm.model.head_weight`), or None.
+    chunks: with `head_DW`, the strided pieces of the rows that the head
+      and the cross-entropy run in (must divide T).
 
   Returns:
     (sum of loss_mask-weighted cross-entropy, weighted count of correct
     argmax predictions, sum of loss_mask), float32 scalars.
+
+  Raises:
+    ValueError: `chunks` does not divide T.
   """
-  targets = batch["targets"]
   mask = batch["loss_mask"].astype(jnp.float32)
-  ce = optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), targets)
-  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-  return (ce * mask).sum(), (correct * mask).sum(), mask.sum()
+  sums = _sums(logits, batch["targets"], mask, head_DW, chunks)
+  return sums[0], sums[1], mask.sum()
 
 
 def mtp_weights(batch: Batch, num_layers: int) -> jax.Array:
@@ -46,15 +102,20 @@ def mtp_weights(batch: Batch, num_layers: int) -> jax.Array:
 
 
 def mtp_loss(mtp_logits: jax.Array, batch: Batch,
-             weights: Optional[jax.Array] = None) -> jax.Array:
+             weights: Optional[jax.Array] = None,
+             head_DW: Optional[jax.Array] = None, chunks: int = 1
+             ) -> jax.Array:
   """Mean MTP cross-entropy over MTP layers, segment-aware.
 
   Args:
     mtp_logits: [num_mtp_layers, B,T,W]; layer k-1 predicts t_{i+k+1}.
+      With `head_DW`, the MTP layers' final hidden states [.., B,T,D].
     batch: with `targets`, `loss_mask` and `segment_ids`.
     weights: [num_mtp_layers] each layer's denominator, default its count
       in `batch` (`mtp_weights`); gradient accumulation passes the full
       batch's, so that the micro-batches' losses add up to the batch's.
+    head_DW: the LM head's weight, or None (see `loss_terms`).
+    chunks: with `head_DW`, pieces per row (see `loss_terms`).
 
   Returns:
     The float32 mean over layers of each layer's masked mean cross-entropy
@@ -64,20 +125,22 @@ def mtp_loss(mtp_logits: jax.Array, batch: Batch,
   for k in range(1, mtp_logits.shape[0] + 1):
     targets, mask = mtp.targets_and_mask(batch["targets"], batch["loss_mask"],
                                          batch["segment_ids"], k)
-    ce = optax.softmax_cross_entropy_with_integer_labels(
-        mtp_logits[k - 1].astype(jnp.float32), targets)
+    ce_sum = _sums(mtp_logits[k - 1], targets, mask, head_DW, chunks)[0]
     weight = mask.sum() if weights is None else weights[k - 1]
-    losses.append((ce * mask).sum() / jnp.maximum(weight, 1.0))
+    losses.append(ce_sum / jnp.maximum(weight, 1.0))
   return jnp.mean(jnp.stack(losses))
 
 
 def apply_batch(model: Any, params: Any, batch: Batch,
-                return_aux: bool = False) -> Any:
+                return_aux: bool = False, logits: bool = True) -> Any:
   """The model (`kda_lm.model.build`) on a packed batch: its `inputs`,
-  `segment_ids` and `positions` (`data.packing.FEATURES`)."""
+  `segment_ids` and `positions` (`data.packing.FEATURES`); `logits=False`
+  returns the final hidden states instead (`kda_lm.model.forward`)."""
+  extra = {} if logits else {"logits": False}
   return model.apply(params, batch["inputs"],
                      segment_ids=batch["segment_ids"],
-                     positions=batch["positions"], return_aux=return_aux)
+                     positions=batch["positions"], return_aux=return_aux,
+                     **extra)
 
 
 def make_eval_step(model: Any, token_bytes: Optional[Any] = None

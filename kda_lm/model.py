@@ -166,8 +166,18 @@ def embedding_and_head(cfg: config_lib.ModelConfig):
   return emb_WD, head
 
 
+def head_weight(cfg: config_lib.ModelConfig, params: hk.Params
+                ) -> jax.Array:
+  """The LM head's [D,W] weight in `params` (the embedding table's
+  transpose when tied): what `embedding_and_head`'s head multiplies by."""
+  if cfg.tie_embeddings:
+    return params["embed"]["embeddings"].T
+  return params["lm_head"]["w"]
+
+
 def _mtp_layers(cfg, emb_BTD, h_BTD, head, segment_ids, positions):
-  """The MTP blocks: ([num_mtp_layers, B,T,W] logits, their MoE loads)."""
+  """The MTP blocks: ([num_mtp_layers, B,T,W] logits (or, with `head` the
+  identity, final hidden states [.., B,T,D]), their MoE loads)."""
   pdt = jnp.dtype(cfg.param_dtype)
   logits, loads = [], []
   for k in range(1, cfg.num_mtp_layers + 1):
@@ -296,7 +306,8 @@ def forward(cfg: config_lib.ModelConfig, tokens: jax.Array,
             segment_ids: Optional[jax.Array] = None,
             positions: Optional[jax.Array] = None, *,
             return_aux: bool = False, cache: Optional[Cache] = None,
-            max_len: Optional[int] = None, remat: str = "none") -> Any:
+            max_len: Optional[int] = None, remat: str = "none",
+            logits: bool = True) -> Any:
   """The decoder; call inside `hk.transform` (see `build`).
 
   Training, prefill and decode are three modes of this one function (see
@@ -315,6 +326,10 @@ def forward(cfg: config_lib.ModelConfig, tokens: jax.Array,
     max_len: prefill mode: S, the cache slots per row.
     remat: training mode: what each layer keeps for the backward pass
       (`kda_lm.stack.REMAT_POLICIES`).
+    logits: training mode: False returns the final hidden states [B,T,D]
+      (after the final norm, in the compute dtype) in place of the logits,
+      and `mtp_hidden` in place of `mtp_logits`, for a loss that applies
+      the head itself (`kda_lm.losses`, `head_weight`).
 
   Returns:
     [B,T,W] float32 logits (padding rows hold finite garbage); with
@@ -329,8 +344,9 @@ def forward(cfg: config_lib.ModelConfig, tokens: jax.Array,
       shape differs from `tokens`; concrete token ids out of range.
   """
   with_cache = cache is not None or max_len is not None
-  if with_cache and return_aux:
-    raise ValueError("return_aux is for training mode (no cache).")
+  if with_cache and (return_aux or not logits):
+    raise ValueError("return_aux and logits=False are for training mode "
+                     "(no cache).")
   segment_ids, positions = _check_inputs(cfg, tokens, segment_ids,
                                          positions, cache is not None)
   pdt = jnp.dtype(cfg.param_dtype)
@@ -339,6 +355,9 @@ def forward(cfg: config_lib.ModelConfig, tokens: jax.Array,
   x_BTD, loads, cache = decoder_stack(cfg, emb_BTD, segment_ids, positions,
                                       cache=cache, max_len=max_len,
                                       remat=remat)
+  if not logits and not hk.running_init():
+    # The loss applies the head: "logits" below are the hidden states.
+    head = lambda y_BTD: y_BTD  # noqa: E731
   logits_BTW = head(norm.RMSNorm(cfg.norm_eps, pdt, name="final_norm")(
       x_BTD))
   if with_cache:
@@ -353,7 +372,7 @@ def forward(cfg: config_lib.ModelConfig, tokens: jax.Array,
   if loads:
     aux["expert_load"] = jnp.concatenate(loads)
   if mtp_logits:
-    aux["mtp_logits"] = jnp.stack(mtp_logits)
+    aux["mtp_logits" if logits else "mtp_hidden"] = jnp.stack(mtp_logits)
   return (logits_BTW, aux) if return_aux else logits_BTW
 
 
@@ -369,8 +388,9 @@ def build(model_config: Any, *, remat: str = "none") -> hk.Transformed:
   Returns:
     An `hk.Transformed` without apply rng: `init(rng, tokens,
     segment_ids=None, positions=None)` and `apply(params, tokens,
-    segment_ids=None, positions=None, return_aux=False) -> float32 logits
-    [B,T,W]` (or `(logits, aux)`, see `forward`). MoE selection biases
+    segment_ids=None, positions=None, return_aux=False, logits=True) ->
+    float32 logits [B,T,W]` (or `(logits, aux)`, or hidden states, see
+    `forward`). MoE selection biases
     are parameters that gradients never reach (`router_bias_slots` lists
     them; `kda_lm.layers.moe.update_selection_biases` moves them). With
     `scan_layers`, `init` gives the unscanned model's parameters in the
@@ -383,10 +403,10 @@ def build(model_config: Any, *, remat: str = "none") -> hk.Transformed:
   stack.check_remat(remat)
 
   def fn(tokens, segment_ids=None, positions=None, return_aux=False,
-         cache=None, max_len=None):
+         cache=None, max_len=None, logits=True):
     return forward(cfg, tokens, segment_ids, positions,
                    return_aux=return_aux, cache=cache, max_len=max_len,
-                   remat=remat)
+                   remat=remat, logits=logits)
 
   transformed = hk.without_apply_rng(hk.transform(fn))
   if not cfg.scan_layers:

@@ -1,11 +1,13 @@
 """Tests of kda_lm/losses.py: masked cross-entropy and the MTP loss."""
 
+import jax
 import jax.numpy as jnp
 import layers_mtp_test
 import numpy as np
 import optax
+import pytest
 
-from kda_lm import losses
+from kda_lm import losses, testing
 
 # A packed row of two documents, then padding.
 ROW = layers_mtp_test.ROW
@@ -36,3 +38,24 @@ def test_mtp_loss_ignores_padding_and_boundaries():
       logits[0, 0, jnp.array([0, 1, 3, 4, 5])],
       jnp.array([12, 13, 22, 23, 24])).mean()
   np.testing.assert_allclose(base, want, rtol=1e-6)
+
+
+def test_chunked_head_equals_the_logits_and_names_a_bad_split():
+  rng = np.random.default_rng(2)
+  y = jnp.asarray(rng.normal(size=(1, 8, 6)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(6, 32)), jnp.float32)
+  batch = {k: jnp.asarray(v) for k, v in ROW.items()}
+  want = losses.loss_terms(y @ w, batch)
+  got = losses.loss_terms(y, batch, head_DW=w, chunks=4)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  grad = lambda f: jax.grad(f, argnums=(0, 1))(y, w)
+  want_g = grad(lambda a, b: losses.loss_terms(a @ b, batch)[0])
+  got_g = grad(lambda a, b: losses.loss_terms(a, batch, b, 4)[0])
+  for g, h in zip(got_g, want_g, strict=True):
+    assert testing.rel_err(g, h) < 1e-6
+  mtp = losses.mtp_loss((y @ w)[None], batch)
+  np.testing.assert_allclose(losses.mtp_loss(y[None], batch, None, w, 2),
+                             mtp, rtol=1e-6)
+  with pytest.raises(ValueError, match="loss_chunks must .* divides the "
+                     "row length 8, got 3"):
+    losses.loss_terms(y, batch, head_DW=w, chunks=3)

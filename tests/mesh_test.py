@@ -171,6 +171,12 @@ def test_batch_checked_against_the_mesh_before_tracing():
   with pytest.raises(ValueError, match="batch_size 4 is not a multiple of "
                      "the 8 data x fsdp x expert devices"):
     sharding.check_batch_shape(abstract_mesh(2, 1, 1, 4), 4, 128)
+  sharding.check_batch_shape(abstract_mesh(1, 1, 4), 4, 128, loss_chunks=8)
+  with pytest.raises(ValueError, match="seq_len 128 is not a multiple of "
+                     "config.train.loss_chunks = 64 times "
+                     "config.mesh.context = 4"):
+    sharding.check_batch_shape(abstract_mesh(1, 1, 4), 4, 128,
+                               loss_chunks=64)
 
 
 def test_experts_that_do_not_divide_over_the_expert_axis():

@@ -39,11 +39,27 @@ def _batch(seed, B=8, T=16):
           "loss_mask": mask}
 
 
-def _step(cfg, n, state, batch):
+def _step(cfg, n, state, batch, loss_chunks=1):
   m = model.build(cfg)
   tx = optax.sgd(0.5)
-  update = jax.jit(step_lib.make_update_fn(m, tx, lambda _: 0.5, cfg, n))
+  update = jax.jit(step_lib.make_update_fn(m, tx, lambda _: 0.5, cfg, n,
+                                           loss_chunks))
   return update(state, batch)
+
+
+def _assert_same_step(got, want):
+  """Metrics within 1e-6; parameters within 1e-6 overall, a leaf whose
+  update cancels (float32 sums in another order) within 1e-5."""
+  (s_got, m_got), (s_want, m_want) = got, want
+  assert set(m_got) == set(m_want)
+  for key in m_want:
+    np.testing.assert_allclose(m_got[key], m_want[key], rtol=1e-6,
+                               err_msg=key)
+  flat = lambda s: np.concatenate(
+      [np.ravel(x) for x in jax.tree.leaves(s.params)])
+  assert testing.rel_err(flat(s_got), flat(s_want)) < 1e-6
+  errs = jax.tree.map(testing.rel_err, s_got.params, s_want.params)
+  assert max(jax.tree.leaves(errs)) < 1e-5
 
 
 @pytest.mark.parametrize("scan", [False, True])
@@ -57,17 +73,13 @@ def test_accumulated_step_equals_the_whole_batch(scan):
   assert len(set(np.asarray(counts).tolist())) > 1
   whole, m1 = _step(cfg, 1, state, batch)
   accum, m4 = _step(cfg, 4, state, batch)
-  assert set(m1) == set(m4) >= {"loss", "accuracy", "mtp_loss",
-                                "moe_load_max", "grad_norm"}
-  for key in m1:
-    np.testing.assert_allclose(m4[key], m1[key], rtol=1e-6, err_msg=key)
-  # The parameters: within 1e-6 overall; a leaf whose update cancels
-  # (float32 sums in another order) within 1e-5.
-  flat = lambda s: np.concatenate(
-      [np.ravel(x) for x in jax.tree.leaves(s.params)])
-  assert testing.rel_err(flat(accum), flat(whole)) < 1e-6
-  errs = jax.tree.map(testing.rel_err, accum.params, whole.params)
-  assert max(jax.tree.leaves(errs)) < 1e-5
+  assert set(m1) >= {"loss", "accuracy", "mtp_loss", "moe_load_max",
+                     "grad_norm"}
+  _assert_same_step((accum, m4), (whole, m1))
+  if scan:
+    # The head and the loss in 4 strided pieces of each row: the same step.
+    _assert_same_step(_step(cfg, 1, state, batch, loss_chunks=4),
+                      (whole, m1))
   # The selection biases moved, by the whole batch's load.
   for slot in model.router_bias_slots(cfg):
     bias = [s.params[slot.module]["e_score_correction_bias"]

@@ -180,14 +180,16 @@ def row_devices(mesh: Any) -> int:
 
 
 def check_batch_shape(mesh: Any, batch_size: int, seq_len: int,
-                      micro_batches: int = 1) -> None:
+                      micro_batches: int = 1, loss_chunks: int = 1) -> None:
   """Checks, before anything is traced, that batches of `batch_size` rows
   of `seq_len` tokens can be sharded over `mesh`, in `micro_batches`
-  slices (`config.train.grad_accum_steps`).
+  slices (`config.train.grad_accum_steps`), the loss in `loss_chunks`
+  pieces of each row (`config.train.loss_chunks`).
 
   Raises:
     ValueError: the rows (of each micro-batch) do not divide over `data` x
-      `fsdp` x `expert`, or the tokens over `context`.
+      `fsdp` x `expert`, the tokens over `context`, or a row's tokens into
+      `loss_chunks` pieces that divide over `context`.
   """
   rows = row_devices(mesh)
   if batch_size % (rows * micro_batches):
@@ -200,6 +202,10 @@ def check_batch_shape(mesh: Any, batch_size: int, seq_len: int,
   context = int(mesh.shape[CONTEXT_AXIS])
   if seq_len % context:
     raise ValueError(f"config.data.seq_len {seq_len} is not a multiple of "
+                     f"config.mesh.context = {context}.")
+  if seq_len % (loss_chunks * context):
+    raise ValueError(f"config.data.seq_len {seq_len} is not a multiple of "
+                     f"config.train.loss_chunks = {loss_chunks} times "
                      f"config.mesh.context = {context}.")
 
 

@@ -120,7 +120,8 @@ def build_steps(cfg: state_lib.RunConfig, mesh: jax.sharding.Mesh) -> Steps:
       init=jax.jit(init, out_shardings=shardings),
       update=on_mesh(jax.jit(
           step_lib.make_update_fn(model, tx, schedule, cfg.model,
-                                  cfg.train.grad_accum_steps),
+                                  cfg.train.grad_accum_steps,
+                                  cfg.train.loss_chunks),
           in_shardings=(shardings, batch_sharding),
           out_shardings=(shardings, replicated), donate_argnums=0)),
       eval_step=on_mesh(jax.jit(
@@ -201,7 +202,8 @@ class _Run:
                  jax.process_count())
     mesh = sharding.make_mesh(cfg.mesh)
     sharding.check_batch_shape(mesh, cfg.data.batch_size, cfg.data.seq_len,
-                               cfg.train.grad_accum_steps)
+                               cfg.train.grad_accum_steps,
+                               cfg.train.loss_chunks)
     self.steps = build_steps(cfg, mesh)
     # Process 0 builds the TFDS data; the others then read it.
     with distributed.main_process_first("kda_lm: data built"):

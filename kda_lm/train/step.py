@@ -54,23 +54,30 @@ def _denominators(batch: Batch, cfg: config_lib.ModelConfig | None
   return out
 
 
-def _loss_fn(model: hk.Transformed, cfg: config_lib.ModelConfig | None):
+def _loss_fn(model: hk.Transformed, cfg: config_lib.ModelConfig | None,
+             loss_chunks: int = 1):
   """`loss(params, batch, denominators) -> (loss, extra)` for
   `jax.value_and_grad`: sums over `batch` divided by the whole batch's
-  `denominators`, so that micro-batches' losses add up to the batch's."""
+  `denominators`, so that micro-batches' losses add up to the batch's.
+  With `loss_chunks` > 1 the head runs inside the loss, in that many
+  pieces (`kda_lm.losses`)."""
   with_aux = cfg is not None and cfg.has_aux_outputs
+  chunked = loss_chunks > 1
+  if chunked and cfg is None:
+    raise ValueError("config.train.loss_chunks > 1 needs the model config.")
 
   def loss_fn(params, batch, denominators):
-    if with_aux:
-      logits, aux = losses.apply_batch(model, params, batch, return_aux=True)
-    else:
-      logits, aux = losses.apply_batch(model, params, batch), {}
-    loss_sum, correct, _ = losses.loss_terms(logits, batch)
+    out = losses.apply_batch(model, params, batch, return_aux=with_aux,
+                             logits=not chunked)
+    out, aux = out if with_aux else (out, {})
+    head = model_lib.head_weight(cfg, params) if chunked else None
+    loss_sum, correct, _ = losses.loss_terms(out, batch, head, loss_chunks)
     loss = loss_sum / denominators["weight"]
     extra = {"accuracy": correct / denominators["weight"], "main_loss": loss}
-    if "mtp_logits" in aux:
-      extra["mtp_loss"] = losses.mtp_loss(aux["mtp_logits"], batch,
-                                          denominators["mtp_weight"])
+    mtp_out = aux.get("mtp_hidden" if chunked else "mtp_logits")
+    if mtp_out is not None:
+      extra["mtp_loss"] = losses.mtp_loss(
+          mtp_out, batch, denominators["mtp_weight"], head, loss_chunks)
       loss = loss + cfg.mtp_loss_scale * extra["mtp_loss"]
     if "expert_load" in aux:
       extra["expert_load"] = jax.lax.stop_gradient(aux["expert_load"])
@@ -115,7 +122,7 @@ def _grads_and_extra(loss_fn, params, batch: Batch, n: int, denominators):
 
 def make_update_fn(model: hk.Transformed, tx: optax.GradientTransformation,
                    schedule: optax.Schedule, model_config: Any = None,
-                   grad_accum_steps: int = 1
+                   grad_accum_steps: int = 1, loss_chunks: int = 1
                    ) -> Callable[[TrainState, Batch],
                                  tuple[TrainState, dict[str, jax.Array]]]:
   """Returns `update(state, batch) -> (state, metrics)` (not jitted).
@@ -127,12 +134,15 @@ def make_update_fn(model: hk.Transformed, tx: optax.GradientTransformation,
   (`moe.load_metrics`). With `grad_accum_steps` n > 1 the batch runs as n
   micro-batches (`micro_batches`); the loss, gradients, metrics and expert
   loads are the whole batch's (token-weighted sums, not means of means).
+  With `loss_chunks` n > 1 the LM head and the cross-entropy run over n
+  strided pieces of the rows, each piece's logits recomputed in the
+  backward pass (`config.train.loss_chunks`, `kda_lm.losses`).
   """
   cfg = (None if model_config is None
          else config_lib.ModelConfig.from_config(model_config))
   bias_slots = (model_lib.router_bias_slots(cfg)
                 if cfg is not None and cfg.num_experts else [])
-  loss_fn = _loss_fn(model, cfg)
+  loss_fn = _loss_fn(model, cfg, loss_chunks)
 
   def update(state: TrainState, batch: Batch):
     grads, extra = _grads_and_extra(loss_fn, state.params, batch,
