@@ -35,7 +35,6 @@ import numpy as np
 from kda_lm import config as config_lib
 from kda_lm import segments, stack
 from kda_lm.layers import block, kda, linear, mla, moe, mtp, norm
-from kda_lm.parallel import context
 
 # A decode cache: one `kda.KDACache` or `mla.MLACache` per unrolled layer
 # and per slot of a scanned group (stacked over its repeats; `decoder_stack`).
@@ -193,8 +192,8 @@ def _mtp_layers(cfg, emb_BTD, h_BTD, head, segment_ids, positions):
                                      h_BTD, segment_ids, positions)
       if load is not None:
         loads.append(load[None])
-      logits.append(context.constrain_rows(head(norm.RMSNorm(
-          cfg.norm_eps, pdt, name="final_norm")(h_BTD))))
+      logits.append(head(norm.RMSNorm(cfg.norm_eps, pdt,
+                                      name="final_norm")(h_BTD)))
   return logits, loads
 
 
@@ -362,7 +361,6 @@ def forward(cfg: config_lib.ModelConfig, tokens: jax.Array,
       x_BTD))
   if with_cache:
     return logits_BTW, cache
-  logits_BTW = context.constrain_rows(logits_BTW)
   if not return_aux and not (cfg.num_mtp_layers and hk.running_init()):
     return logits_BTW
   mtp_logits, mtp_loads = _mtp_layers(cfg, emb_BTD, x_BTD, head,

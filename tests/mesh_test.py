@@ -186,30 +186,3 @@ def test_experts_that_do_not_divide_over_the_expert_axis():
                      "of config.mesh.expert = 3"):
     _apply_under(abstract_mesh(1, 1, 1, 3), 3)
 
-
-def _constraints(jaxpr, out=None):
-  """(shape, spec) of every sharding constraint, sub-jaxprs included."""
-  out = [] if out is None else out
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "sharding_constraint":
-      out.append((eqn.outvars[0].aval.shape, eqn.params["sharding"].spec))
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (list, tuple)) else [value]:
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          sub = sub.jaxpr
-        if isinstance(sub, jax.extend.core.Jaxpr):
-          _constraints(sub, out)
-  return out
-
-
-@pytest.mark.parametrize("shape", [(1, 4, 1), (1, 2, 2), (1, 2, 1, 2)])
-def test_logits_keep_the_batch_layout(shape):
-  # The LM head's vocabulary dimension is sharded over fsdp; unconstrained,
-  # GSPMD may gather the whole batch's logits onto every device.
-  vocab = ling3_tiny.get_config().model.vocab_size
-  found = _constraints(traced_step("xla", "xla")(abstract_mesh(*shape)))
-  want = jax.sharding.PartitionSpec(sharding.ROW_AXES,
-                                    sharding.CONTEXT_AXIS)
-  logits = [spec for s, spec in found if s == (4, 128, vocab)]
-  # The main head's and the MTP head's logits.
-  assert len(logits) == 2 and all(s == want for s in logits), found

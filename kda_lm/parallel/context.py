@@ -140,21 +140,6 @@ def _row_spec(mesh) -> P:
   return P(_batch_axes(mesh) or None, _token_axes(mesh) or None)
 
 
-def constrain_rows(x: jax.Array) -> jax.Array:
-  """`x` [B,T,...] laid out as the batch is: rows over the row axes,
-  tokens over `context`, the other dimensions whole on each device.
-
-  GSPMD otherwise lets a weight's sharding decide: the LM head's
-  vocabulary dimension is sharded over `fsdp`, and with a small `fsdp`
-  GSPMD resolves the conflict with the rows by gathering the whole
-  batch's logits onto every device. Outside `jax.set_mesh`, `x`.
-  """
-  mesh = _mesh()
-  if mesh is None:
-    return x
-  return jax.lax.with_sharding_constraint(x, _row_spec(mesh))
-
-
 def _shard_map(fn, in_specs, out_specs, check_vma=True):
   return jax.shard_map(fn, mesh=_mesh(), in_specs=in_specs,
                        out_specs=out_specs, check_vma=check_vma)
