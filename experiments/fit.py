@@ -149,7 +149,9 @@ def fit(m, mesh_text: str, chip: Chip, B: int, T: int, remat: str,
     out.args_gib = memory.argument_size_in_bytes / GIB
     out.temp_gib = memory.temp_size_in_bytes / GIB
     out.compiled_tflop = _tflop(compiled)
-    out.flops_complete = not scanned
+    # A scan's body (a scanned layer group, the loss's pieces) is counted
+    # once by XLA's cost analysis.
+    out.flops_complete = not scanned and loss_chunks == 1
     # The GPU compiler reports no FLOPs: a second compile would not help.
     if scanned and unscanned_flops and out.compiled_tflop:
       flat = copy.deepcopy(m)
