@@ -141,8 +141,9 @@ def apply_batch(model: Any, params: Any, batch: Batch,
                      **extra)
 
 
-def make_eval_step(model: Any, token_bytes: Optional[Any] = None
-                   ) -> Callable[[Any, Batch], jax.Array]:
+def make_eval_step(model: Any, token_bytes: Optional[Any] = None,
+                   head_weight: Optional[Callable[[Any], jax.Array]] = None,
+                   chunks: int = 1) -> Callable[[Any, Batch], jax.Array]:
   """`eval_step(params, batch) -> [loss_sum, correct, weight, bytes]`.
 
   The sums are over the batch's `loss_mask`-weighted targets; `bytes`
@@ -152,13 +153,26 @@ def make_eval_step(model: Any, token_bytes: Optional[Any] = None
     model: the `hk.Transformed` model.
     token_bytes: float `[W]` bytes per token id (`pipeline.token_bytes`);
       None counts one byte per scored token.
+    head_weight: with `chunks` > 1, `params -> head_DW` (the LM head's
+      weight, `kda_lm.model.head_weight`): the model then returns hidden
+      states and the head runs in `chunks` pieces of each row, as the
+      training loss does (`config.train.loss_chunks`).
+    chunks: pieces per row (must divide T); 1 computes whole logits.
+
+  Raises:
+    ValueError: `chunks` > 1 without `head_weight`.
   """
   nbytes_W = (None if token_bytes is None
               else jnp.asarray(token_bytes, jnp.float32))
+  chunked = chunks > 1
+  if chunked and head_weight is None:
+    raise ValueError("An eval step in loss_chunks > 1 pieces needs the "
+                     "model's head_weight.")
 
   def eval_step(params, batch):
     loss_sum, correct, weight = loss_terms(
-        apply_batch(model, params, batch), batch)
+        apply_batch(model, params, batch, logits=not chunked), batch,
+        head_weight(params) if chunked else None, chunks)
     mask = batch["loss_mask"].astype(jnp.float32)
     byte_count = weight if nbytes_W is None else (
         nbytes_W[batch["targets"]] * mask).sum()

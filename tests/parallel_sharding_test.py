@@ -43,9 +43,9 @@ def test_make_mesh_sizes_and_errors():
       sharding.make_mesh(ml_collections.ConfigDict(dict(data=-1, **bad)))
 
 
-def _abstract_mesh(fsdp, expert):
+def _abstract_mesh(fsdp, expert, context=1):
   return jax.sharding.AbstractMesh(
-      (1, fsdp, expert, 1), sharding.AXES,
+      (1, fsdp, expert, context), sharding.AXES,
       axis_types=(jax.sharding.AxisType.Auto,) * 4)
 
 
@@ -65,20 +65,52 @@ def test_routed_experts_split_over_the_expert_axis():
       lambda a: jax.ShapeDtypeStruct(a.shape, np.float32), state)
   specs = jax.tree.map(lambda s: s.spec, sharding.state_shardings(
       abstract, _abstract_mesh(2, 4)))
+  fsdp_expert = ("fsdp", "expert")
   for tree in (specs["params"], specs["mu"]):
     assert tree["layer_1/moe"]["gate_proj"] == P("expert", None, "fsdp")
     assert tree["layer_1/moe"]["down_proj"] == P("expert", "fsdp", None)
     assert tree["stack/moe"]["up_proj"] == P(None, "expert", None, "fsdp")
-    assert tree["layer_1/moe"]["router"] == sharding.leaf_spec((4, 8), 2)
+    # Every other leaf over fsdp and expert together (8 devices) ...
+    assert tree["layer_1/moe"]["router"] == P(None, fsdp_expert)
+    assert tree["layer_0/mlp/gate_proj"]["w"] == P(fsdp_expert, None, None)
+    # ... or over fsdp alone where no dimension divides by 8.
     assert tree["layer_1/moe/shared_experts/gate_proj"]["w"] == P(
         None, "fsdp")
-    assert tree["layer_0/mlp/gate_proj"]["w"] == P("fsdp", None, None)
   # expert = 1: the FSDP rule alone, as before the expert axis existed.
   specs = sharding.state_shardings(abstract, _abstract_mesh(2, 1))
   assert specs["params"]["layer_1/moe"]["gate_proj"].spec == P(
       "fsdp", None, None)
   assert sharding.expert_leaf_spec((8, 4, 6), 1, 2) == P(
       "expert", None, None)
+
+
+def test_state_splits_over_fsdp_expert_and_context():
+  """No device but a `data` replica holds a duplicate of the state: each
+  leaf's sharded dimension spans fsdp, expert and context, falling back
+  to fewer axes (in that order) where the dimension does not divide."""
+  P = jax.sharding.PartitionSpec
+  params = {"layer_1/moe": {"gate_proj": np.zeros((8, 16, 6))},
+            "embed": {"embeddings": np.zeros((32, 4))},
+            "norm": {"scale": np.zeros((6,))},
+            "odd": {"w": np.zeros((5, 3))}}
+  abstract = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, np.float32), params)
+  mesh = _abstract_mesh(2, 2, context=4)
+  specs = jax.tree.map(lambda s: s.spec,
+                       sharding.state_shardings(abstract, mesh))
+  assert sharding.state_axes(mesh) == [
+      (("fsdp", "expert", "context"), 16), (("fsdp", "expert"), 4),
+      (("fsdp",), 2)]
+  assert specs["embed"]["embeddings"] == P(("fsdp", "expert", "context"),
+                                           None)
+  assert specs["layer_1/moe"]["gate_proj"] == P("expert",
+                                                ("fsdp", "context"), None)
+  assert specs["norm"]["scale"] == P("fsdp")
+  assert specs["odd"]["w"] == P()
+  # Context parallelism alone: the state splits over context.
+  specs = sharding.state_shardings(abstract, _abstract_mesh(1, 1, 4))
+  assert specs["embed"]["embeddings"].spec == P("context", None)
+  assert sharding.state_axes(_abstract_mesh(1, 1)) == []
 
 
 def test_check_expert_axis():

@@ -1,6 +1,8 @@
 """Tests of gradient accumulation (train.step) and of training with scanned
 layers: equal to the plain step, and resumable bit-exactly."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import model_test
@@ -8,7 +10,8 @@ import numpy as np
 import optax
 import pytest
 
-from kda_lm import model, segments, stack, testing
+from kda_lm import config as config_lib
+from kda_lm import losses, model, segments, stack, testing
 from kda_lm.checkpoint import state as state_lib
 from kda_lm.train import loop as train_loop
 from kda_lm.train import metrics
@@ -86,6 +89,23 @@ def test_accumulated_step_equals_the_whole_batch(scan):
             for s in (accum, whole, state)]
     np.testing.assert_array_equal(bias[0], bias[1])
     assert np.any(bias[1] != bias[2])
+
+
+def test_eval_step_in_pieces_equals_whole_logits():
+  cfg = model_test.tiny_config(**MODEL)
+  m = model.build(cfg)
+  params = jax.jit(m.init)(jax.random.PRNGKey(0),
+                           jnp.zeros((1, 16), jnp.int32))
+  batch = jax.tree.map(jnp.asarray, _batch(2))
+  head = functools.partial(model.head_weight,
+                           config_lib.ModelConfig.from_config(cfg))
+  whole = jax.jit(losses.make_eval_step(m))(params, batch)
+  pieces = jax.jit(losses.make_eval_step(m, head_weight=head, chunks=4))(
+      params, batch)
+  np.testing.assert_allclose(pieces, whole, rtol=1e-6)
+  assert float(whole[2]) == float(batch["loss_mask"].sum())
+  with pytest.raises(ValueError, match="needs the model's head_weight"):
+    losses.make_eval_step(m, chunks=4)
 
 
 @pytest.fixture(scope="module")

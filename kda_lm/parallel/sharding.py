@@ -2,13 +2,15 @@
 and the shardings of the train state and of the batches.
 
 The batch rows are sharded over `data`, `fsdp` and `expert`, its tokens
-over `context` (context parallelism, `kda_lm.parallel.context`);
-parameters and optimizer state over `fsdp` (each array along its largest
-dimension that `fsdp` divides), so `fsdp=1`, `expert=1` and `context=1` is
-plain data parallelism. The routed experts' weights `[E,D,F]` / `[E,F,D]`
-(and their optimizer moments) are also split along E over `expert`
-(`expert_leaf_spec`, expert parallelism): every other layer sees `expert`
-as more data parallelism.
+over `context` (context parallelism, `kda_lm.parallel.context`).
+Parameters and optimizer state are split over `fsdp`, `expert` and
+`context` together (each array along its largest dimension that they
+divide, `state_axes`): no device but a `data` replica holds a duplicate,
+so `fsdp=1`, `expert=1` and `context=1` is plain data parallelism. The
+routed experts' weights `[E,D,F]` / `[E,F,D]` (and their optimizer
+moments) are split along E over `expert` (`expert_leaf_spec`, expert
+parallelism) and along their largest other dimension over `fsdp` and
+`context`: every other layer sees `expert` as more data parallelism.
 """
 
 from typing import Any, Mapping
@@ -83,21 +85,55 @@ def check_expert_axis(expert: int, num_experts: int) -> None:
                      f"multiple of config.mesh.expert = {expert}.")
 
 
-def leaf_spec(shape: tuple[int, ...], fsdp: int, skip: int = 0) -> P:
+def leaf_spec(shape: tuple[int, ...], fsdp: int, skip: int = 0,
+              axes: str | tuple[str, ...] = FSDP_AXIS) -> P:
   """Shards the largest dimension that `fsdp` divides; else replicates.
 
-  The first `skip` dimensions (a scanned layer group's leading repeat
-  axis) are never sharded.
+  Args:
+    shape: the array's shape.
+    fsdp: the devices the dimension is split over (the product of the
+      sizes of `axes`).
+    skip: the first `skip` dimensions (a scanned layer group's leading
+      repeat axis) are never sharded.
+    axes: the mesh axis, or axes, that split the dimension.
   """
   if fsdp == 1 or not shape:
     return P()
+  if not isinstance(axes, str) and len(axes) == 1:
+    axes = axes[0]
   dims = sorted(range(skip, len(shape)), key=lambda d: -shape[d])
   for d in dims:
     if shape[d] % fsdp == 0 and shape[d] >= fsdp:
       spec = [None] * len(shape)
-      spec[d] = FSDP_AXIS
+      spec[d] = axes
       return P(*spec)
   return P()
+
+
+def state_axes(mesh: Any, expert_weight: bool = False
+               ) -> list[tuple[tuple[str, ...], int]]:
+  """The axis groups a state leaf's one sharded dimension may span, best
+  first: `fsdp`, `expert` and `context` together (`expert` only for a leaf
+  that is not a routed expert weight, whose E takes it), then the group
+  without its last axis, and so on; each as (axes, device count), axes of
+  size 1 left out. Every device of the group holds a different slice, so
+  `context` and `expert` devices hold no duplicate state (as MaxText
+  shards its weights over its sequence and expert axes)."""
+  sizes = dict(mesh.shape)
+  names = [a for a in (FSDP_AXIS, EXPERT_AXIS, CONTEXT_AXIS)
+           if sizes.get(a, 1) > 1 and not (expert_weight and a == EXPERT_AXIS)]
+  return [(tuple(names[:n]), int(np.prod([sizes[a] for a in names[:n]])))
+          for n in range(len(names), 0, -1)]
+
+
+def _grouped_spec(make_spec, groups, unsharded: P) -> P:
+  """The first `make_spec(axes, devices)` over `groups` that shards more
+  than `unsharded` does; else `unsharded`."""
+  for axes, n in groups:
+    spec = make_spec(axes, n)
+    if spec != unsharded:
+      return spec
+  return unsharded
 
 
 def _stacked(path: tuple[Any, ...], prefix: str | None) -> bool:
@@ -117,23 +153,26 @@ def is_expert_weight(path: tuple[Any, ...], shape: tuple[int, ...]
 
 
 def expert_leaf_spec(shape: tuple[int, ...], fsdp: int, expert: int,
-                     skip: int = 0) -> P:
+                     skip: int = 0,
+                     axes: str | tuple[str, ...] = FSDP_AXIS) -> P:
   """A routed expert weight: E (third from last) over `expert`, and the
-  largest other dimension that `fsdp` divides over `fsdp` (`leaf_spec`'s
+  largest other dimension that `fsdp` divides over `axes` (`leaf_spec`'s
   rule alone when `expert` is 1; the first `skip` dimensions never)."""
   if expert == 1:
-    return leaf_spec(shape, fsdp, skip)
+    return leaf_spec(shape, fsdp, skip, axes)
   e_dim = len(shape) - 3
   rest = tuple(1 if d == e_dim else n for d, n in enumerate(shape))
-  spec = list(leaf_spec(rest, fsdp, skip)) + [None] * len(shape)
+  spec = list(leaf_spec(rest, fsdp, skip, axes)) + [None] * len(shape)
   spec[e_dim] = EXPERT_AXIS
   return P(*spec[:len(shape)])
 
 
 def state_shardings(abstract_state: PyTree, mesh: jax.sharding.Mesh,
                     stacked_prefix: str | None = None) -> PyTree:
-  """NamedShardings for a state: FSDP over `fsdp`, routed experts also over
-  `expert` (`expert_leaf_spec`), replicated over `data` and `context`.
+  """NamedShardings for a state: each array along its largest dimension
+  that the group of `state_axes` divides (FSDP over `fsdp`, `expert` and
+  `context`), routed experts' E over `expert` (`expert_leaf_spec`);
+  replicated over `data`.
 
   Args:
     abstract_state: the state's arrays or `ShapeDtypeStruct`s.
@@ -142,14 +181,17 @@ def state_shardings(abstract_state: PyTree, mesh: jax.sharding.Mesh,
       leading layer axis (`kda_lm.stack.SCAN_NAME + "/"`), which is never
       sharded: the scan slices it.
   """
-  fsdp = mesh.shape[FSDP_AXIS]
   expert = dict(mesh.shape).get(EXPERT_AXIS, 1)
+  dense_groups, expert_groups = state_axes(mesh), state_axes(mesh, True)
 
   def spec(path, a):
     shape, skip = tuple(a.shape), int(_stacked(path, stacked_prefix))
     if is_expert_weight(path, shape):
-      return expert_leaf_spec(shape, fsdp, expert, skip)
-    return leaf_spec(shape, fsdp, skip)
+      return _grouped_spec(
+          lambda axes, n: expert_leaf_spec(shape, n, expert, skip, axes),
+          expert_groups, expert_leaf_spec(shape, 1, expert, skip))
+    return _grouped_spec(lambda axes, n: leaf_spec(shape, n, skip, axes),
+                         dense_groups, P())
 
   return jax.tree_util.tree_map_with_path(
       lambda path, a: jax.sharding.NamedSharding(mesh, spec(path, a)),

@@ -47,6 +47,7 @@ import ml_collections
 import numpy as np
 
 from data import pipeline
+from kda_lm import config as config_lib
 from kda_lm import losses, optimizer
 from kda_lm import model as model_lib
 from kda_lm.checkpoint import manager as manager_lib
@@ -125,7 +126,11 @@ def build_steps(cfg: state_lib.RunConfig, mesh: jax.sharding.Mesh) -> Steps:
           in_shardings=(shardings, batch_sharding),
           out_shardings=(shardings, replicated), donate_argnums=0)),
       eval_step=on_mesh(jax.jit(
-          losses.make_eval_step(model),
+          losses.make_eval_step(
+              model, head_weight=functools.partial(
+                  model_lib.head_weight,
+                  config_lib.ModelConfig.from_config(cfg.model)),
+              chunks=cfg.train.loss_chunks),
           in_shardings=(shardings.params, batch_sharding),
           out_shardings=replicated)),
       abstract=sharding.with_shardings(abstract, shardings),
