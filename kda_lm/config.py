@@ -443,8 +443,9 @@ class TrainConfig:
   # Strided pieces of each row that the LM head and the cross-entropy run
   # in (kda_lm/losses.py): n > 1 holds one piece's [B, T/n, W] float32
   # logits at a time (recomputed in the backward pass) instead of the
-  # whole row's, for the main and the MTP heads. Must divide T (and T/n
-  # the context axis). 1 = the model returns logits as usual.
+  # whole row's, for the main and the MTP heads, in training and in the
+  # eval step. Must divide T (and T/n the context axis). 1 = the model
+  # returns logits as usual.
   loss_chunks: int = 1
 
   def __post_init__(self):
