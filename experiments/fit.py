@@ -29,6 +29,11 @@ columns stay the scanned step's; TPU only: the GPU compiler reports no
 FLOPs). `--layers` cuts the stack to its first
 n layers (the pattern's last layer made MLA), for the
 compile-time-in-depth comparison; `--noscan` compiles every layer.
+
+Before compiling, the report lays the float32 parameters and AdamW moments
+out on the mesh as training does (no compile, seconds): when they alone
+exceed the chip's HBM, the row says so and nothing is compiled, since no
+remat policy or batch size can make that step fit.
 """
 
 import os
@@ -106,6 +111,9 @@ class Fit:
   analytic_tflop: float = 0.0
   seconds: float = 0.0
   error: str = ""
+  # Set when the float32 state alone exceeds the chip's HBM: the step is
+  # not compiled (no remat policy or batch can make it fit).
+  state_only: bool = False
   # Whether compiled_tflop counts every layer (False: a scanned step's,
   # whose loop body XLA's cost analysis counts once).
   flops_complete: bool = True
@@ -115,7 +123,8 @@ class Fit:
     return self.args_gib + self.temp_gib
 
   def fits(self, chip: Chip) -> bool:
-    return not self.error and self.total_gib <= chip.hbm_gib
+    return (not self.error and not self.state_only
+            and self.total_gib <= chip.hbm_gib)
 
 
 def _compile(m, mesh_text, chip, B, T, remat, accum, loss_chunks):
@@ -124,6 +133,14 @@ def _compile(m, mesh_text, chip, B, T, remat, accum, loss_chunks):
       m, compile_mesh.parse_mesh(mesh_text),
       list(target_devices(chip))[:mesh_devices(mesh_text)], B, T,
       chip.platform, remat, accum, loss_chunks)
+
+
+def state_gib(m, mesh_text: str, chip: Chip) -> float:
+  """GiB per device of the parameters and AdamW moments as the training
+  state's shardings lay them out on the mesh (no compile)."""
+  return compile_mesh.state_gib(
+      m, compile_mesh.parse_mesh(mesh_text),
+      list(target_devices(chip))[:mesh_devices(mesh_text)])
 
 
 def _tflop(compiled) -> float:
@@ -142,6 +159,10 @@ def fit(m, mesh_text: str, chip: Chip, B: int, T: int, remat: str,
             / mesh_devices(mesh_text) / 1e12)
   scanned = bool(m.scan_layers) and stack.find_group(
       config_lib.ModelConfig.from_config(m)).period > 0
+  out.args_gib = state_gib(m, mesh_text, chip)
+  if out.args_gib > chip.hbm_gib:
+    out.state_only = True
+    return out
   try:
     compiled, out.seconds = _compile(m, mesh_text, chip, B, T, remat, accum,
                                      loss_chunks)
@@ -179,6 +200,11 @@ def row(name, target, mesh, T, B, accum, remat, chip, f: Fit) -> str:
   if f.error:
     return (f"{head} - | - | - | - | {f.analytic_tflop:.1f} | - | - | - | "
             f"- | error: {f.error} |")
+  if f.state_only:
+    return (f"{head} {f.args_gib:.2f} | - | > {f.args_gib:.1f} / "
+            f"{chip.hbm_gib:.0f} | - | {f.analytic_tflop:.1f} | - | - | - | "
+            f"- | no: the float32 parameters and AdamW moments alone take "
+            f"{f.args_gib:.1f} GiB per device (not compiled) |")
   complete = f.flops_complete and f.compiled_tflop
   flop = f.compiled_tflop if complete else f.analytic_tflop
   step_s = flop / chip.peak_tflops
@@ -230,7 +256,10 @@ def main(argv):
   print("|" + "---|" * 17, flush=True)
   policies = config_lib.REMAT_POLICIES if F.search else (F.remat,)
   for remat in policies:
-    if _report(m, chip, F.batch, remat).fits(chip):
+    report = _report(m, chip, F.batch, remat)
+    if report.state_only:
+      return 1
+    if report.fits(chip):
       if F.grow:
         B = grow(functools.partial(_report, m, chip, remat=remat), chip,
                  F.batch)

@@ -36,3 +36,14 @@ def test_grow_doubles_while_the_step_fits():
   assert fit.grow(report, CHIP, 2) == 8
   assert tried == [4, 8, 16]
   assert fit.mesh_devices("fsdp=2+context=4") == 8
+
+
+def test_state_alone_over_hbm_is_reported_without_a_compile():
+  f = fit.Fit(args_gib=67.0, analytic_tflop=30.0, state_only=True)
+  assert not f.fits(CHIP)
+  cells = [c.strip() for c in _row(f).split("|")]
+  assert cells[8:11] == ["67.00", "-", "> 67.0 / 32"], cells
+  assert cells[-2].startswith("no: the float32 parameters and AdamW "
+                              "moments alone take 67.0 GiB"), cells
+  # Under the HBM, the same numbers would fit: only the flag refuses.
+  assert fit.Fit(args_gib=20.0).fits(CHIP)
