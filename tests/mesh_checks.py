@@ -1,6 +1,7 @@
 """Multi-device training-step checks, run in a subprocess with 4 fake CPU
 devices by `mesh_test.py` (fake devices must be set before JAX starts).
-Prints one JSON object of measured relative errors.
+Prints one JSON object of measured relative errors. Argument: the
+`kda_impl,moe_impl` pair to check (`xla,xla` or `pallas,megablox`).
 
 The ling3_tiny model (KKKM, MoE on layers 1-3) with the Pallas KDA kernels
 and the megablox grouped matmul in interpret mode, and with the XLA paths:
@@ -123,17 +124,14 @@ def document_errors(kda_impl, moe_impl):
   return worst
 
 
-def main():
-  cases = [("xla", "xla"), ("pallas", "megablox")]
-  results = {}
-  for kda_impl, moe_impl in cases:
-    results.update(step_errors(kda_impl, moe_impl))
-    results[f"{kda_impl}_{moe_impl}_documents"] = document_errors(
-        kda_impl, moe_impl)
+def main(kda_impl, moe_impl):
+  results = step_errors(kda_impl, moe_impl)
+  results[f"{kda_impl}_{moe_impl}_documents"] = document_errors(
+      kda_impl, moe_impl)
   print(json.dumps(results))
 
 
 if __name__ == "__main__":
   assert pallas.for_platform("cpu").interpret
   assert jax.device_count() == 4, jax.devices()
-  sys.exit(main())
+  sys.exit(main(*sys.argv[1].split(",")))
