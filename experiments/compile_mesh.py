@@ -217,19 +217,27 @@ def compile_step(m, mesh_config, devs, B, T, platform, remat="none",
   return compiled, time.time() - start
 
 
-def state_gib(m, mesh_config, devs):
+def state_gib(m, mesh_config, devs, grads=False):
   """GiB per device of the train state (parameters, AdamW moments) of the
-  model `m` as `sharding.state_shardings` lays it out on the mesh."""
+  model `m` as `sharding.state_shardings` lays it out on the mesh; with
+  `grads`, plus one gradient per parameter laid out as the parameters."""
   mesh = sharding.make_mesh(mesh_config, list(devs))
   model = model_lib.build(m)
   tx, _ = optimizer.make_optimizer(ling3.get_config().opt, 100)
   abstract = jax.eval_shape(state_lib.make_init_fn(model, tx, 1),
                             jax.random.PRNGKey(0))
-  total = 0
-  for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(
-      state_lib.state_shardings(abstract, mesh)), strict=True):
-    total += int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize
-  return total / GIB
+  shardings = state_lib.state_shardings(abstract, mesh)
+
+  def gib(tree, tree_shardings):
+    return sum(int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize
+               for a, s in zip(jax.tree.leaves(tree),
+                               jax.tree.leaves(tree_shardings), strict=True)
+               ) / GIB
+
+  total = gib(abstract, shardings)
+  if grads:
+    total += gib(abstract.params, shardings.params)
+  return total
 
 
 def state_table(specs):

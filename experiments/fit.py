@@ -5,12 +5,14 @@ gradient, AdamW, the MoE selection-bias update) of a published model for a
 target slice, mesh, sequence length, batch, rematerialisation policy and
 gradient accumulation, and prints per device: arguments (parameters,
 optimizer state, batch), temporaries and their total against the chip's
-HBM; compiled vs analytic FLOPs (the ratio only for unscanned steps: XLA's
-cost analysis counts a scanned group's body once); the roofline step time
-(FLOPs / chip peak: compiled FLOPs unscanned, analytic FLOPs scanned or
-where the compiler reports none) and the tokens/s per chip it implies; and
-the compile seconds on this host. Run in the
-compile check's environment (libtpu, the CUDA plugin):
+HBM; the compiled matmul FLOPs (`experiments/hlo_flops.py`: read from the
+optimized program, every loop times its trip count, so scanned layers and
+the loss's pieces count in full on TPU and GPU alike), the share of them
+that recomputes a forward pass (rematerialisation, the loss's pieces), the
+analytic FLOPs and the ratio of compiled less recompute to analytic; the
+roofline step time (compiled FLOPs / chip peak) and the tokens/s per chip
+it implies; and the compile seconds on this host. Run in the compile
+check's environment (libtpu, the CUDA plugin):
 
   py="$(bash experiments/compile_check_env.sh)"
   "$py" -m experiments.fit --model=ling3:tiny --target=v5p-8 \
@@ -23,24 +25,22 @@ it into micro-batches. `--search` tries the remat policies from `none` to
 `full` and reports the first that fits (total <= HBM). `--grow` then
 doubles the batch while the step still fits, and reports the largest
 micro-batch that fits with that policy (one compile per try).
-`--unscanned_flops` compiles the step once more with every layer unrolled
-for the compiled FLOPs and their ratio to the analytic count (the memory
-columns stay the scanned step's; TPU only: the GPU compiler reports no
-FLOPs). `--layers` cuts the stack to its first
-n layers (the pattern's last layer made MLA), for the
-compile-time-in-depth comparison; `--noscan` compiles every layer.
+`--layers` cuts the stack to its first n layers (the pattern's last layer
+made MLA), for the compile-time-in-depth comparison; `--noscan` compiles
+every layer.
 
-Before compiling, the report lays the float32 parameters and AdamW moments
-out on the mesh as training does (no compile, seconds): when they alone
-exceed the chip's HBM, the row says so and nothing is compiled, since no
-remat policy or batch size can make that step fit.
+Before compiling, the report lays the float32 parameters, their gradients
+and the AdamW moments out on the mesh as training does (no compile,
+seconds). All of them exist at once when the global gradient norm is
+taken (the optimizer clips by it), so when they alone exceed the chip's
+HBM, the row says so and nothing is compiled: no remat policy or batch
+size can make that step fit.
 """
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import importlib  # noqa: E402
@@ -50,10 +50,9 @@ import traceback  # noqa: E402
 from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
 
-from experiments import compile_mesh  # noqa: E402
+from experiments import compile_mesh, hlo_flops  # noqa: E402
 import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
 from kda_lm import config as config_lib  # noqa: E402
-from kda_lm import stack  # noqa: E402
 
 GIB = 2.0 ** 30
 
@@ -107,16 +106,15 @@ class Fit:
   """One compiled step's report."""
   args_gib: float = 0.0
   temp_gib: float = 0.0
-  compiled_tflop: float = 0.0
+  compiled_tflop: float = 0.0   # Matmul FLOPs of the compiled step.
+  recompute_tflop: float = 0.0  # Their share that recomputes a forward.
   analytic_tflop: float = 0.0
   seconds: float = 0.0
   error: str = ""
-  # Set when the float32 state alone exceeds the chip's HBM: the step is
-  # not compiled (no remat policy or batch can make it fit).
+  # Set when the float32 state and gradients alone exceed the chip's HBM:
+  # the step is not compiled (no remat policy or batch can make it fit);
+  # temp_gib then holds the gradients only.
   state_only: bool = False
-  # Whether compiled_tflop counts every layer (False: a scanned step's,
-  # whose loop body XLA's cost analysis counts once).
-  flops_complete: bool = True
 
   @property
   def total_gib(self) -> float:
@@ -135,52 +133,36 @@ def _compile(m, mesh_text, chip, B, T, remat, accum, loss_chunks):
       chip.platform, remat, accum, loss_chunks)
 
 
-def state_gib(m, mesh_text: str, chip: Chip) -> float:
-  """GiB per device of the parameters and AdamW moments as the training
-  state's shardings lay them out on the mesh (no compile)."""
+def state_gib(m, mesh_text: str, chip: Chip, grads=False) -> float:
+  """GiB per device of the parameters and AdamW moments (with `grads`,
+  and the gradients) as the training state's shardings lay them out on
+  the mesh (no compile)."""
   return compile_mesh.state_gib(
       m, compile_mesh.parse_mesh(mesh_text),
-      list(target_devices(chip))[:mesh_devices(mesh_text)])
-
-
-def _tflop(compiled) -> float:
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
-  return float(cost.get("flops", 0.0)) / 1e12
+      list(target_devices(chip))[:mesh_devices(mesh_text)], grads)
 
 
 def fit(m, mesh_text: str, chip: Chip, B: int, T: int, remat: str,
-        accum: int, unscanned_flops: bool = False,
-        loss_chunks: int = 1) -> Fit:
-  """Compiles one step and reads its memory and FLOPs (with
-  `unscanned_flops`, the FLOPs of a second compile, every layer
-  unrolled)."""
+        accum: int, loss_chunks: int = 1) -> Fit:
+  """Compiles one step and reads its memory and matmul FLOPs (counted
+  from the optimized HLO, loops times their trip counts)."""
   out = Fit(analytic_tflop=compile_mesh.analytic_flops(m, B, T)
             / mesh_devices(mesh_text) / 1e12)
-  scanned = bool(m.scan_layers) and stack.find_group(
-      config_lib.ModelConfig.from_config(m)).period > 0
   out.args_gib = state_gib(m, mesh_text, chip)
-  if out.args_gib > chip.hbm_gib:
+  out.temp_gib = state_gib(m, mesh_text, chip, grads=True) - out.args_gib
+  if out.total_gib > chip.hbm_gib:
     out.state_only = True
     return out
+  out.temp_gib = 0.0
   try:
     compiled, out.seconds = _compile(m, mesh_text, chip, B, T, remat, accum,
                                      loss_chunks)
     memory = compiled.memory_analysis()
     out.args_gib = memory.argument_size_in_bytes / GIB
     out.temp_gib = memory.temp_size_in_bytes / GIB
-    out.compiled_tflop = _tflop(compiled)
-    # A scan's body (a scanned layer group, the loss's pieces) is counted
-    # once by XLA's cost analysis.
-    out.flops_complete = not scanned and loss_chunks == 1
-    # The GPU compiler reports no FLOPs: a second compile would not help.
-    if scanned and unscanned_flops and out.compiled_tflop:
-      flat = copy.deepcopy(m)
-      flat.scan_layers = False
-      compiled, seconds = _compile(flat, mesh_text, chip, B, T, remat, accum,
-                                   loss_chunks)
-      out.compiled_tflop, out.flops_complete = _tflop(compiled), True
-      out.seconds += seconds
+    flops = hlo_flops.count(compiled.as_text())
+    out.compiled_tflop = flops.total / 1e12
+    out.recompute_tflop = flops.recompute / 1e12
   except Exception as e:  # pylint: disable=broad-except
     traceback.print_exc()
     out.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
@@ -188,32 +170,31 @@ def fit(m, mesh_text: str, chip: Chip, B: int, T: int, remat: str,
 
 
 HEADER = ("| model | target | mesh | T | B | accum | remat | args GiB | "
-          "temp GiB | total GiB / HBM | compiled TFLOP | analytic TFLOP | "
-          "ratio | roofline s | tok/s/chip | compile s | fits |")
+          "temp GiB | total GiB / HBM | compiled TFLOP | recompute TFLOP | "
+          "analytic TFLOP | ratio | roofline s | tok/s/chip | compile s | "
+          "fits |")
 
 
 def row(name, target, mesh, T, B, accum, remat, chip, f: Fit) -> str:
-  """One table row; the roofline and ratio use the compiled FLOPs only
-  when they count every layer (else the analytic FLOPs, without remat's
-  recompute)."""
+  """One table row. The ratio is compiled FLOPs less recompute over the
+  analytic count; the roofline step time counts every compiled FLOP."""
   head = f"| {name} | {target} | {mesh} | {T} | {B} | {accum} | {remat} |"
   if f.error:
-    return (f"{head} - | - | - | - | {f.analytic_tflop:.1f} | - | - | - | "
-            f"- | error: {f.error} |")
+    return (f"{head} - | - | - | - | - | {f.analytic_tflop:.1f} | - | - | "
+            f"- | - | error: {f.error} |")
   if f.state_only:
-    return (f"{head} {f.args_gib:.2f} | - | > {f.args_gib:.1f} / "
-            f"{chip.hbm_gib:.0f} | - | {f.analytic_tflop:.1f} | - | - | - | "
-            f"- | no: the float32 parameters and AdamW moments alone take "
-            f"{f.args_gib:.1f} GiB per device (not compiled) |")
-  complete = f.flops_complete and f.compiled_tflop
-  flop = f.compiled_tflop if complete else f.analytic_tflop
-  step_s = flop / chip.peak_tflops
+    return (f"{head} {f.args_gib:.2f} | > {f.temp_gib:.2f} | > "
+            f"{f.total_gib:.1f} / {chip.hbm_gib:.0f} | - | - | "
+            f"{f.analytic_tflop:.1f} | - | - | - | - | no: the float32 "
+            f"parameters, gradients and AdamW moments alone take "
+            f"{f.total_gib:.1f} GiB per device (not compiled) |")
+  step_s = f.compiled_tflop / chip.peak_tflops
   tokens = B * T / mesh_devices(mesh)
-  ratio = f"{f.compiled_tflop / f.analytic_tflop:.2f}" if complete else "-"
-  compiled = f"{f.compiled_tflop:.1f}" if complete else "-"
+  ratio = (f.compiled_tflop - f.recompute_tflop) / f.analytic_tflop
   return (f"{head} {f.args_gib:.2f} | {f.temp_gib:.2f} | "
-          f"{f.total_gib:.1f} / {chip.hbm_gib:.0f} | {compiled} | "
-          f"{f.analytic_tflop:.1f} | {ratio} | {step_s:.2f} | "
+          f"{f.total_gib:.1f} / {chip.hbm_gib:.0f} | "
+          f"{f.compiled_tflop:.1f} | {f.recompute_tflop:.1f} | "
+          f"{f.analytic_tflop:.1f} | {ratio:.2f} | {step_s:.2f} | "
           f"{tokens / step_s:,.0f} | {f.seconds:.0f} | "
           f"{'yes' if f.fits(chip) else 'no'} |")
 
@@ -226,7 +207,7 @@ def mesh_devices(mesh_text: str) -> int:
 def _report(m, chip, B, remat) -> Fit:
   F = flags.FLAGS  # pylint: disable=invalid-name
   f = fit(m, F.mesh, chip, B, F.seq_len, remat, F.grad_accum,
-          F.unscanned_flops, F.loss_chunks)
+          F.loss_chunks)
   label = remat if F.loss_chunks == 1 else (
       f"{remat}, loss in {F.loss_chunks}")
   print(row(F.model, F.target, F.mesh, F.seq_len, B, F.grad_accum, label,
@@ -253,7 +234,7 @@ def main(argv):
         f"{chip.hbm_gib:.0f} GiB, {chip.peak_tflops:.0f} TFLOP/s bf16)",
         flush=True)
   print(HEADER)
-  print("|" + "---|" * 17, flush=True)
+  print("|" + "---|" * 18, flush=True)
   policies = config_lib.REMAT_POLICIES if F.search else (F.remat,)
   for remat in policies:
     report = _report(m, chip, F.batch, remat)
@@ -291,8 +272,6 @@ def define_flags():
                     "stop at the first that fits.")
   flags.DEFINE_bool("grow", False, "Double --batch while the step fits; "
                     "report the largest micro-batch.")
-  flags.DEFINE_bool("unscanned_flops", False, "Read the compiled FLOPs from "
-                    "a second, unscanned compile of the same step.")
   flags.DEFINE_integer("layers", 0, "Cut to n layers (0 = all).")
   flags.DEFINE_bool("scan", True, "config.model.scan_layers.")
 

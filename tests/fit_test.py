@@ -1,7 +1,10 @@
 """Tests of experiments/fit.py's reporting (the compiles themselves run in
 the compile check's environment: docs/scale.md)."""
 
-from experiments import fit
+import jax
+import numpy as np
+
+from experiments import compile_mesh, fit
 
 CHIP = fit.CHIPS["v6e-8"]
 
@@ -10,20 +13,20 @@ def _row(f, mesh="fsdp=8"):
   return fit.row("ling3:tiny", "v6e-8", mesh, 4096, 8, 1, "none", CHIP, f)
 
 
-def test_ratio_only_when_the_flops_count_every_layer():
-  flat = fit.Fit(args_gib=11.0, temp_gib=13.0, compiled_tflop=39.0,
-                 analytic_tflop=30.0)
-  cells = [c.strip() for c in _row(flat).split("|")]
-  assert cells[11:14] == ["39.0", "30.0", "1.30"], cells
+def test_ratio_leaves_out_the_recompute():
+  f = fit.Fit(args_gib=11.0, temp_gib=13.0, compiled_tflop=45.0,
+              recompute_tflop=6.0, analytic_tflop=30.0)
+  cells = [c.strip() for c in _row(f).split("|")]
+  # compiled, recompute, analytic, (45 - 6) / 30, 45 / 918 s.
+  assert cells[11:16] == ["45.0", "6.0", "30.0", "1.30", "0.05"], cells
   assert cells[-2] == "yes"
-  # A scanned step's cost analysis counts the loop body once: no ratio,
-  # and the roofline falls back to the analytic FLOPs.
-  scanned = fit.Fit(args_gib=11.0, temp_gib=22.0, compiled_tflop=5.0,
-                    analytic_tflop=30.0, flops_complete=False)
-  cells = [c.strip() for c in _row(scanned).split("|")]
-  assert cells[11:15] == ["-", "30.0", "-", f"{30.0 / 918.0:.2f}"], cells
+  cells = [c.strip() for c in _row(fit.Fit(
+      args_gib=11.0, temp_gib=22.0, compiled_tflop=30.0,
+      analytic_tflop=30.0)).split("|")]
   assert cells[-2] == "no"  # 33 GiB > 32
-  assert "error: boom" in _row(fit.Fit(analytic_tflop=30.0, error="boom"))
+  error = _row(fit.Fit(analytic_tflop=30.0, error="boom"))
+  assert "error: boom" in error
+  assert len(error.split("|")) == len(fit.HEADER.split("|"))
 
 
 def test_grow_doubles_while_the_step_fits():
@@ -39,11 +42,28 @@ def test_grow_doubles_while_the_step_fits():
 
 
 def test_state_alone_over_hbm_is_reported_without_a_compile():
-  f = fit.Fit(args_gib=67.0, analytic_tflop=30.0, state_only=True)
+  f = fit.Fit(args_gib=20.0, temp_gib=13.0, analytic_tflop=30.0,
+              state_only=True)
   assert not f.fits(CHIP)
   cells = [c.strip() for c in _row(f).split("|")]
-  assert cells[8:11] == ["67.00", "-", "> 67.0 / 32"], cells
-  assert cells[-2].startswith("no: the float32 parameters and AdamW "
-                              "moments alone take 67.0 GiB"), cells
+  assert cells[8:11] == ["20.00", "> 13.00", "> 33.0 / 32"], cells
+  assert cells[-2].startswith("no: the float32 parameters, gradients and "
+                              "AdamW moments alone take 33.0 GiB"), cells
   # Under the HBM, the same numbers would fit: only the flag refuses.
   assert fit.Fit(args_gib=20.0).fits(CHIP)
+
+
+def test_state_floor_adds_one_float32_gradient_per_parameter():
+  m = fit.model_config("ling3:tiny", 2, True)
+  mesh = compile_mesh.parse_mesh("fsdp=1")
+  devs = jax.devices()[:1]
+  state = compile_mesh.state_gib(m, mesh, devs)
+  floor = compile_mesh.state_gib(m, mesh, devs, grads=True)
+  params = jax.eval_shape(
+      compile_mesh.model_lib.build(m).init, jax.random.PRNGKey(0),
+      np.zeros((1, 8), np.int32))
+  gib = sum(a.size * a.dtype.itemsize
+            for a in jax.tree.leaves(params)) / fit.GIB
+  assert abs((floor - state) - gib) <= 1e-9 * gib, (floor, state, gib)
+  # Parameters and two AdamW moments, all float32, and a few scalars.
+  assert abs(state - 3 * gib) <= 1e-6 * gib, (state, gib)

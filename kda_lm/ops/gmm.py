@@ -19,11 +19,12 @@ and a `[G,M,...]`-sized temporary. Implementations (`impl`):
 * "xla": the portable path. The rows are cut into tiles of `tm`; a work
   item is one (tile, group) pair whose rows overlap, at most
   `M/tm + G - 1` of them (fewer when rows lie past the groups: the loop
-  stops at the last real item). A `fori_loop` over the items multiplies
-  each tile, masked to its group's rows, by its group's matrix, so FLOPs are
-  `2*tm*K*N` per item (the useful work plus at most G - 1 partial tiles;
-  `default_tile_m` keeps them under M/4 rows) and memory is that of the
-  inputs and outputs. The VJP is the same loop:
+  stops at the last real item; its name scope, `MAX_TRIPS_SCOPE`, carries
+  that bound into the compiled program). A `fori_loop` over the items
+  multiplies each tile, masked to its group's rows, by its group's matrix,
+  so FLOPs are `2*tm*K*N` per item (the useful work plus at most G - 1
+  partial tiles; `default_tile_m` keeps them under M/4 rows) and memory is
+  that of the inputs and outputs. The VJP is the same loop:
   `dlhs = gmm(dout, rhs^T)` and `drhs[g] += lhs_tile^T dout_tile`.
 * "ragged_dot": `jax.lax.ragged_dot` itself, the reference in tests and
   benchmarks.
@@ -194,6 +195,17 @@ def _work_items(group_sizes, num_tiles, tm):
   return jnp.where(valid, tile, 0), group, valid, starts, ends
 
 
+# The name scope that tells a reader of the compiled program (e.g.
+# experiments/hlo_flops.py) a data-dependent loop's largest trip count.
+MAX_TRIPS_SCOPE = "loop_max_trips_{}"
+
+
+def _item_loop(items, body, init):
+  """`fori_loop` over the real work items, its bound in its name scope."""
+  with jax.named_scope(MAX_TRIPS_SCOPE.format(items[0].shape[0])):
+    return jax.lax.fori_loop(0, _item_count(items), body, init)
+
+
 def _item_count(items):
   """The real work items (they come first): the loop's trip count, so
   that rows past the groups (an exchange buffer's padding) cost nothing.
@@ -242,8 +254,7 @@ def _loop_gmm(lhs, rhs, group_sizes, tm):
 
   out = _varying_like(jnp.zeros((Mp, rhs.shape[2]), jnp.float32), lhs, rhs,
                       group_sizes)
-  out = jax.lax.fori_loop(0, _item_count(items), body, out)
-  return out[:M]
+  return _item_loop(items, body, out)[:M]
 
 
 def _loop_weight_grad(lhs, dout, group_sizes, num_groups, tm):
@@ -263,7 +274,7 @@ def _loop_weight_grad(lhs, dout, group_sizes, num_groups, tm):
   acc = _varying_like(
       jnp.zeros((num_groups, lhs.shape[1], dout.shape[1]), jnp.float32),
       lhs, dout, group_sizes)
-  return jax.lax.fori_loop(0, _item_count(items), body, acc)
+  return _item_loop(items, body, acc)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

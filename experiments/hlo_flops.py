@@ -1,0 +1,267 @@
+"""Matmul FLOPs of a compiled program, counted from its optimized HLO text
+with every loop's body multiplied by its trip count.
+
+XLA's `compiled.cost_analysis()` counts the body of a while loop once, so a
+scanned layer group or a loss computed in pieces reports a fraction of its
+FLOPs, and the deviceless GPU compile reports none at all. This module reads
+`compiled.as_text()` instead and adds up, per device:
+
+- `dot`: 2 x output elements x the product of the contracted dimensions;
+- `convolution` (how the TPU compiler writes a matmul): 2 x output
+  elements x the kernel elements each output reads;
+- the cuBLAS GEMM custom call of the GPU compiler: as a `dot`, with the
+  contracting dimensions of its backend config;
+- a Pallas TPU kernel (Mosaic custom call) that carries a cost estimate:
+  the estimate's `flops` (the KDA kernels carry none and count 0, as in
+  XLA's own cost analysis);
+
+recursing into fusions and called computations, a while loop's body times
+its trip count (XLA's `known_trip_count` where the compiler states it, as
+XLA:CPU and XLA:GPU do; else the constant N of a condition `i < N`, as
+JAX's scan and fori_loop write it, which is how the TPU compiler's
+loops read), a conditional's costliest branch. A data-dependent
+loop (the portable grouped matmul's, `kda_lm.ops.gmm`) counts at the bound
+its name scope (`gmm.MAX_TRIPS_SCOPE`) states: the worst case, every
+expert's rows starting mid-tile. Any other loop without a known trip count
+raises. Element-wise work (norms, softmax, activations, the optimizer) is
+not counted: it is a small share of a transformer step.
+
+The count also says which FLOPs recompute a forward pass: those JAX places
+under `rematted_computation` (a `jax.checkpoint`'s replay: a remat policy,
+the loss's pieces) and those of XLA's own rematerialisation (`.remat`).
+"""
+
+import json
+import math
+import re
+from typing import NamedTuple
+
+import numpy as np
+
+from kda_lm.ops import gmm
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{\s*$")
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
+_ARRAY = re.compile(r"[a-z]\w*\[([\d,]*)\]")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_CALLED = re.compile(
+    r"\b(?:calls|to_apply|body|true_computation|false_computation)"
+    r"=%([\w.\-]+)")
+_CALLED_LIST = re.compile(
+    r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+# The scope may be wrapped by a transformation's name: `jvp(<scope>)/`.
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_MAX_TRIPS = re.compile(r"\b" + gmm.MAX_TRIPS_SCOPE.format(r"(\d+)") + r"\b")
+
+
+def _dims(shape_text):
+  """The first array's dimensions in a shape (a tuple's first element)."""
+  match = _ARRAY.search(shape_text)
+  if not match:
+    return ()
+  return tuple(int(d) for d in match.group(1).split(",") if d)
+
+
+def _int_set(text, name):
+  match = re.search(name + r"=\{([\d,]*)\}", text)
+  return [int(d) for d in match.group(1).split(",") if d] if match else []
+
+
+def _dot(out, lhs, contracting):
+  return 2 * math.prod(out) * math.prod(lhs[d] for d in contracting)
+
+
+def _window(rest, field, count):
+  """A `window={...}` field's per-dimension values (`pad`: lo_hi pairs)."""
+  match = re.search(r"window=\{[^}]*\b" + field + r"=([\d_x\-]+)", rest)
+  if not match:
+    return [(0, 0) if field == "pad" else 1] * count
+  values = match.group(1).split("x")
+  if field == "pad":
+    return [tuple(int(v) for v in pair.split("_")) for pair in values]
+  return [int(v) for v in values]
+
+
+def _taps(in_size, out_size, size, stride, pad, lhs_dilate, rhs_dilate):
+  """(output position, window position) pairs of one spatial dimension
+  whose input lands on a real element (not padding, not a dilation
+  hole), as XLA's own cost analysis counts a convolution."""
+  span = (in_size - 1) * lhs_dilate + 1
+  taps = 0
+  for k in range(size):
+    x = np.arange(out_size) * stride + k * rhs_dilate - pad[0]
+    taps += int(np.sum((x >= 0) & (x < span) & (x % lhs_dilate == 0)))
+  return taps
+
+
+def _convolution(out, lhs, rhs, rest):
+  """2 x the multiply-adds: per output element of the batch and feature
+  dimensions, the kernel's input features times the spatial taps that
+  land on input. The TPU compiler writes batched matmuls as convolutions
+  whose padding or base dilation leaves one tap in a window."""
+  labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", rest)
+  if not labels or [len(x) for x in labels.groups()] != [
+      len(lhs), len(rhs), len(out)]:
+    raise ValueError(f"unreadable convolution: {rest[:200]}")
+  lhs_labels, kernel, out_labels = labels.groups()
+  digits = sorted(c for c in kernel if c.isdigit())
+  fields = {f: _window(rest, f, len(digits)) for f in (
+      "size", "stride", "pad", "lhs_dilate", "rhs_dilate")}
+  macs = math.prod(out[out_labels.index(c)] for c in "bf")
+  macs *= rhs[kernel.index("i")]
+  for j, d in enumerate(digits):
+    macs *= _taps(lhs[lhs_labels.index(d)], out[out_labels.index(d)],
+                  *(fields[f][j] for f in fields))
+  return 2 * macs
+
+
+def _custom_call(out, operands, rest, shapes):
+  """FLOPs of a cuBLAS GEMM or a costed Pallas kernel; 0 otherwise."""
+  if '"__cublas$gemm"' in rest or '"__cublas$lt$matmul' in rest:
+    numbers = re.search(r'"dot_dimension_numbers":(\{[^}]*\})', rest)
+    contracting = [int(d) for d in json.loads(numbers.group(1))[
+        "lhs_contracting_dimensions"]]
+    return _dot(out, shapes[operands[0]], contracting)
+  flops = re.search(r'"cost_estimate":\{[^}]*"flops":"?(\d+)', rest)
+  return int(flops.group(1)) if flops else 0
+
+
+class _Module(NamedTuple):
+  computations: dict  # name: [(name, dims, opcode, operands, rest)]
+  entry: str
+  shapes: dict        # instruction: dimensions (a tuple's first array)
+  constants: dict     # instruction: value, for integer scalar constants
+
+
+def _parse(hlo_text) -> _Module:
+  module = _Module({}, None, {}, {})
+  current = None
+  for line in hlo_text.splitlines():
+    head = _COMPUTATION.match(line)
+    if head:
+      current = module.computations.setdefault(head.group(1), [])
+      if line.startswith("ENTRY"):
+        module = module._replace(entry=head.group(1))
+      continue
+    instruction = _INSTRUCTION.match(line)
+    if instruction and current is not None:
+      name, shape, opcode, rest = instruction.groups()
+      args = rest.split(")", 1)[0]
+      current.append((name, _dims(shape), opcode,
+                      _OPERAND.findall(args), rest))
+      module.shapes[name] = _dims(shape)
+      if opcode == "constant" and re.match(r"[su]\d+\[\]", shape):
+        module.constants[name] = int(args)
+  if module.entry is None:
+    raise ValueError("no ENTRY computation in the HLO text")
+  return module
+
+
+def _condition_bound(module, condition):
+  """N for a loop whose condition is `i < N` with N a constant (JAX's scan
+  and fori_loop count i from 0 by 1), else None."""
+  names, seen, lt = [condition], set(), False
+  constants = set()
+  while names:
+    computation = names.pop()
+    if computation in seen:
+      continue
+    seen.add(computation)
+    for name, _, opcode, _, rest in module.computations[computation]:
+      lt |= opcode == "compare" and "direction=LT" in rest
+      if name in module.constants:
+        constants.add(module.constants[name])
+      names += _CALLED.findall(rest)
+  return constants.pop() if lt and len(constants) == 1 else None
+
+
+def _trips(module, rest):
+  """A while loop's trip count: XLA's `known_trip_count`, else the bound
+  its innermost name scope states, else its condition's constant."""
+  known = _TRIP_COUNT.search(rest)
+  if known:
+    return int(known.group(1))
+  op_name = _OP_NAME.search(rest)
+  bounds = _MAX_TRIPS.findall(op_name.group(1)) if op_name else []
+  if bounds:
+    return int(bounds[-1])
+  condition = re.search(r"\bcondition=%([\w.\-]+)", rest).group(1)
+  bound = _condition_bound(module, condition)
+  if bound is None:
+    raise ValueError(f"a while loop without a known trip count or a bound "
+                     f"in its name scope: {rest[:200]}")
+  return bound
+
+
+def _called(module, opcode, rest):
+  """[(computation, multiplier)] an instruction runs; a conditional's
+  branches are marked with multiplier None (the costliest counts)."""
+  names = _CALLED.findall(rest)
+  for group in _CALLED_LIST.findall(rest):
+    names += _OPERAND.findall(group)
+  if opcode == "while":
+    body = re.search(r"\bbody=%([\w.\-]+)", rest).group(1)
+    return [(body, _trips(module, rest))]
+  if opcode == "conditional":
+    return [(n, None) for n in names]
+  return [(n, 1) for n in names]
+
+
+class Flops(NamedTuple):
+  """Matmul FLOPs per device: all of them, and the share that recomputes a
+  forward pass (rematerialisation)."""
+  total: int
+  recompute: int
+
+
+def _is_recompute(name, rest):
+  """JAX names the forward a `jax.checkpoint` replays in the backward pass
+  `rematted_computation`; XLA's own rematerialisation suffixes `.remat`."""
+  op_name = _OP_NAME.search(rest)
+  return ".remat" in name or bool(
+      op_name and "rematted_computation" in op_name.group(1))
+
+
+def _own(out, opcode, operands, rest, shapes):
+  """The FLOPs of one instruction itself (not of what it calls)."""
+  if opcode == "dot":
+    return _dot(out, shapes[operands[0]],
+                _int_set(rest, "lhs_contracting_dims"))
+  if opcode == "convolution":
+    return _convolution(out, shapes[operands[0]], shapes[operands[1]], rest)
+  if opcode == "custom-call":
+    return _custom_call(out, operands, rest, shapes)
+  return 0
+
+
+def count(hlo_text: str) -> Flops:
+  """Matmul FLOPs per device of one run of the module's entry."""
+  module = _parse(hlo_text)
+  memo = {}
+
+  def flops(computation):
+    if computation not in memo:
+      memo[computation] = Flops(0, 0)  # A cycle: a malformed module.
+      total = recompute = 0
+      for name, out, opcode, operands, rest in module.computations[
+          computation]:
+        own = _own(out, opcode, operands, rest, module.shapes)
+        called = _called(module, opcode, rest)
+        branches = [flops(n) for n, k in called if k is None]
+        inner = max(branches, default=Flops(0, 0))
+        for n, k in called:
+          if k is not None:
+            sub = flops(n)
+            inner = Flops(inner.total + k * sub.total,
+                          inner.recompute + k * sub.recompute)
+        total += own + inner.total
+        if _is_recompute(name, rest):
+          recompute += own + inner.total
+        else:
+          recompute += inner.recompute
+      memo[computation] = Flops(total, recompute)
+    return memo[computation]
+
+  return flops(module.entry)

@@ -1,0 +1,98 @@
+"""Tests of experiments/hlo_flops.py: matmul FLOPs from optimized HLO."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from experiments import hlo_flops
+from kda_lm import testing
+from kda_lm.ops import gmm
+
+L, B, W = 5, 8, 64  # Layers scanned, rows, width.
+
+
+def _loss(w_LWW, x_BW):
+  def body(h_BW, w_WW):
+    return jnp.tanh(h_BW @ w_WW), None
+  h_BW, _ = jax.lax.scan(body, x_BW, w_LWW)
+  return jnp.sum(h_BW)
+
+
+def _compiled(fn):
+  return jax.jit(fn).lower(jnp.ones((L, W, W)), jnp.ones((B, W))).compile()
+
+
+def test_a_scanned_loop_counts_every_trip():
+  compiled = _compiled(jax.grad(_loss))
+  # Forward h @ w, backward dh @ w^T and h^T @ dh: 3 matmuls a layer.
+  expected = 3 * L * 2 * B * W * W
+  assert hlo_flops.count(compiled.as_text()).total == expected
+  # XLA's own cost analysis counts each loop's body once.
+  assert compiled.cost_analysis()["flops"] < expected / 2
+
+
+def test_unrolled_matches_the_dots():
+  def unrolled(w_LWW, x_BW):
+    for i in range(L):
+      x_BW = jnp.tanh(x_BW @ w_LWW[i])
+    return jnp.sum(x_BW)
+
+  compiled = _compiled(jax.grad(unrolled))
+  # As scanned, less the first layer's input gradient (x is no argument
+  # of the gradient: unrolled, XLA drops it).
+  flops = hlo_flops.count(compiled.as_text()).total
+  assert flops == (3 * L - 1) * 2 * B * W * W
+
+
+def test_a_loop_without_a_trip_count_is_refused():
+  def until(w_LWW, x_BW):
+    return jax.lax.while_loop(lambda h: jnp.sum(h) < 1e3,
+                              lambda h: h @ w_LWW[0] + 1.0, x_BW).sum()
+
+  with pytest.raises(ValueError, match="known trip count"):
+    hlo_flops.count(_compiled(until).as_text())
+
+
+def test_the_grouped_matmul_loop_counts_at_its_bound():
+  M, K, N, G, tm = 64, 16, 8, 4, 8
+  items = M // tm + G - 1  # Every group starting mid-tile.
+
+  def loss(lhs_MK, rhs_GKN, sizes_G):
+    out = gmm.gmm(lhs_MK, rhs_GKN, sizes_G, impl="xla", tile_m=tm)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  args = (jnp.ones((M, K)), jnp.ones((G, K, N)),
+          jnp.array([16, 16, 16, 16]))
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
+  # Forward, input gradient and weight gradient: 2*tm*K*N per item each.
+  assert hlo_flops.count(compiled.as_text()).total == 3 * items * 2 * tm * K * N
+
+
+def test_a_checkpoint_replay_is_counted_as_recompute():
+  def remat_loss(w_LWW, x_BW):
+    def body(h_BW, w_WW):
+      return jax.checkpoint(lambda h, w: jnp.tanh(h @ w))(h_BW, w_WW), None
+    h_BW, _ = jax.lax.scan(body, x_BW, w_LWW)
+    return jnp.sum(h_BW)
+
+  flops = hlo_flops.count(_compiled(jax.grad(remat_loss)).as_text())
+  # Forward, its replay and the two backward matmuls, per layer.
+  assert flops == (4 * L * 2 * B * W * W, L * 2 * B * W * W)
+  plain = hlo_flops.count(_compiled(jax.grad(_loss)).as_text())
+  assert plain.recompute == 0
+
+
+# Lines in the TPU compiler's format (tests/testdata/README.md).
+TPU_HLO = os.path.join(testing.REPO, "tests", "testdata", "tpu_like.hlo")
+
+
+def test_the_tpu_compilers_forms():
+  with open(TPU_HLO) as f:
+    flops = hlo_flops.count(f.read())
+  loop = 6 * 2 * 256 * 16 * 128 * 1536  # One tap per output position.
+  batched = 2 * 16 * 256 * 256 * 192    # 16 (batch, head) pairs.
+  kernel = 3221225472
+  matmul = 2 * 256 * 2048 * 1536
+  assert flops == (loop + batched + kernel + matmul, matmul)
