@@ -43,6 +43,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import gzip  # noqa: E402
 import importlib  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
@@ -142,6 +143,18 @@ def state_gib(m, mesh_text: str, chip: Chip, grads=False) -> float:
       list(target_devices(chip))[:mesh_devices(mesh_text)], grads)
 
 
+def _save_hlo(hlo, m, mesh_text, chip, B, T, remat, accum, loss_chunks):
+  """With `--hlo_dir`, the compiled step's HLO text, gzipped."""
+  folder = flags.FLAGS.hlo_dir if "hlo_dir" in flags.FLAGS else None
+  if not folder:
+    return
+  os.makedirs(folder, exist_ok=True)
+  name = (f"{chip.topology}_{mesh_text}_L{len(m.attention_pattern)}_T{T}_"
+          f"B{B}_{remat}_a{accum}_c{loss_chunks}_V{m.vocab_size}.hlo.gz")
+  with gzip.open(os.path.join(folder, name.replace(":", "-")), "wt") as f:
+    f.write(hlo)
+
+
 def fit(m, mesh_text: str, chip: Chip, B: int, T: int, remat: str,
         accum: int, loss_chunks: int = 1) -> Fit:
   """Compiles one step and reads its memory and matmul FLOPs (counted
@@ -160,7 +173,9 @@ def fit(m, mesh_text: str, chip: Chip, B: int, T: int, remat: str,
     memory = compiled.memory_analysis()
     out.args_gib = memory.argument_size_in_bytes / GIB
     out.temp_gib = memory.temp_size_in_bytes / GIB
-    flops = hlo_flops.count(compiled.as_text())
+    hlo = compiled.as_text()
+    _save_hlo(hlo, m, mesh_text, chip, B, T, remat, accum, loss_chunks)
+    flops = hlo_flops.count(hlo)
     out.compiled_tflop = flops.total / 1e12
     out.recompute_tflop = flops.recompute / 1e12
     cost = compiled.cost_analysis() or {}
@@ -278,6 +293,8 @@ def define_flags():
   flags.DEFINE_bool("grow", False, "Double --batch while the step fits; "
                     "report the largest micro-batch.")
   flags.DEFINE_integer("layers", 0, "Cut to n layers (0 = all).")
+  flags.DEFINE_string("hlo_dir", None, "Save each compiled step's HLO text "
+                      "here (gzipped), to recount or inspect it.")
   flags.DEFINE_bool("scan", True, "config.model.scan_layers.")
 
 

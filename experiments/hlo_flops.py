@@ -257,10 +257,11 @@ def count(hlo_text: str) -> Flops:
             inner = Flops(inner.total + k * sub.total,
                           inner.recompute + k * sub.recompute)
         total += own + inner.total
-        if _is_recompute(name, rest):
-          recompute += own + inner.total
-        else:
-          recompute += inner.recompute
+        # A leaf by its own name; what an instruction calls by its leaves,
+        # unless XLA cloned the caller itself to rematerialise it (a
+        # fusion's metadata names one of its ops, not all of them).
+        recompute += own if _is_recompute(name, rest) else 0
+        recompute += inner.total if ".remat" in name else inner.recompute
       memo[computation] = Flops(total, recompute)
     return memo[computation]
 
