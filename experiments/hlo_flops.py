@@ -133,10 +133,11 @@ class _Module(NamedTuple):
   entry: str
   shapes: dict        # instruction: dimensions (a tuple's first array)
   constants: dict     # instruction: value, for integer scalar constants
+  instructions: dict  # instruction: (name, dims, opcode, operands, rest)
 
 
 def _parse(hlo_text) -> _Module:
-  module = _Module({}, None, {}, {})
+  module = _Module({}, None, {}, {}, {})
   current = None
   for line in hlo_text.splitlines():
     head = _COMPUTATION.match(line)
@@ -149,8 +150,9 @@ def _parse(hlo_text) -> _Module:
     if instruction and current is not None:
       name, shape, opcode, rest = instruction.groups()
       args = rest.split(")", 1)[0]
-      current.append((name, _dims(shape), opcode,
-                      _OPERAND.findall(args), rest))
+      entry = (name, _dims(shape), opcode, _OPERAND.findall(args), rest)
+      current.append(entry)
+      module.instructions[name] = entry
       module.shapes[name] = _dims(shape)
       if opcode == "constant" and re.match(r"[su]\d+\[\]", shape):
         module.constants[name] = int(args)
@@ -159,27 +161,80 @@ def _parse(hlo_text) -> _Module:
   return module
 
 
-def _condition_bound(module, condition):
-  """N for a loop whose condition is `i < N` with N a constant (JAX's scan
-  and fori_loop count i from 0 by 1), else None."""
-  names, seen, lt = [condition], set(), False
-  constants = set()
-  while names:
-    computation = names.pop()
-    if computation in seen:
-      continue
-    seen.add(computation)
-    for name, _, opcode, _, rest in module.computations[computation]:
-      lt |= opcode == "compare" and "direction=LT" in rest
-      if name in module.constants:
-        constants.add(module.constants[name])
-      names += _CALLED.findall(rest)
-  return constants.pop() if lt and len(constants) == 1 else None
+def _source(module, name, hops=8):
+  """The instruction `name` copies (through copies and bitcasts)."""
+  instruction = module.instructions.get(name)
+  for _ in range(hops):
+    if not instruction or instruction[2] not in ("copy", "bitcast"):
+      break
+    instruction = module.instructions.get(instruction[3][0])
+  return instruction
 
 
-def _trips(module, rest):
+def _index(module, name):
+  """k for an operand that is `get-tuple-element(...), index=k`."""
+  instruction = _source(module, name)
+  if not instruction or instruction[2] != "get-tuple-element":
+    return None
+  return int(re.search(r"\bindex=(\d+)", instruction[4]).group(1))
+
+
+def _constant(module, name):
+  """The integer constant an operand holds, else None."""
+  instruction = _source(module, name)
+  return module.constants.get(instruction[0]) if instruction else None
+
+
+def _root(module, computation):
+  return module.computations[computation][-1]
+
+
+def _condition(module, condition):
+  """(k, N) for a condition `tuple[k] < N`, N a constant, else None."""
+  _, _, opcode, operands, rest = _root(module, condition)
+  if opcode != "compare" or "direction=LT" not in rest:
+    return None
+  k = _index(module, operands[0])
+  bound = _constant(module, operands[1])
+  return None if k is None or bound is None else (k, bound)
+
+
+def _step(module, body, k):
+  """s for a body whose result k is `tuple[k] + s`, s a constant."""
+  _, _, opcode, operands, _ = _root(module, body)
+  if opcode != "tuple":
+    return None
+  _, _, opcode, operands, _ = module.instructions[operands[k]]
+  if opcode != "add":
+    return None
+  steps = [_constant(module, o) for o in operands]
+  counters = [_index(module, o) for o in operands]
+  if k in counters and any(v is not None for v in steps):
+    return next(v for v in steps if v is not None)
+  return None
+
+
+def _counted_trips(module, operands, rest):
+  """ceil((N - init) / s) for a loop `for (i = init; i < N; i += s)` with
+  constants init, N and s (the TPU compiler unrolls some loops, stepping
+  by 2), else None."""
+  condition = re.search(r"\bcondition=%([\w.\-]+)", rest).group(1)
+  body = re.search(r"\bbody=%([\w.\-]+)", rest).group(1)
+  found = _condition(module, condition)
+  if found is None:
+    return None
+  k, bound = found
+  step = _step(module, body, k)
+  init = module.instructions.get(operands[0])
+  if step is None or step <= 0 or not init or init[2] != "tuple":
+    return None
+  start = _constant(module, init[3][k])
+  return None if start is None else max(0, -(-(bound - start) // step))
+
+
+def _trips(module, operands, rest):
   """A while loop's trip count: XLA's `known_trip_count`, else the bound
-  its innermost name scope states, else its condition's constant."""
+  its innermost name scope states, else read from its counter."""
   known = _TRIP_COUNT.search(rest)
   if known:
     return int(known.group(1))
@@ -187,15 +242,15 @@ def _trips(module, rest):
   bounds = _MAX_TRIPS.findall(op_name.group(1)) if op_name else []
   if bounds:
     return int(bounds[-1])
-  condition = re.search(r"\bcondition=%([\w.\-]+)", rest).group(1)
-  bound = _condition_bound(module, condition)
-  if bound is None:
-    raise ValueError(f"a while loop without a known trip count or a bound "
-                     f"in its name scope: {rest[:200]}")
-  return bound
+  trips = _counted_trips(module, operands, rest)
+  if trips is None:
+    raise ValueError(f"a while loop without a known trip count, a bound "
+                     f"in its name scope or a constant counter: "
+                     f"{rest[:200]}")
+  return trips
 
 
-def _called(module, opcode, rest):
+def _called(module, opcode, operands, rest):
   """[(computation, multiplier)] an instruction runs; a conditional's
   branches are marked with multiplier None (the costliest counts)."""
   names = _CALLED.findall(rest)
@@ -203,7 +258,7 @@ def _called(module, opcode, rest):
     names += _OPERAND.findall(group)
   if opcode == "while":
     body = re.search(r"\bbody=%([\w.\-]+)", rest).group(1)
-    return [(body, _trips(module, rest))]
+    return [(body, _trips(module, operands, rest))]
   if opcode == "conditional":
     return [(n, None) for n in names]
   return [(n, 1) for n in names]
@@ -248,7 +303,7 @@ def count(hlo_text: str) -> Flops:
       for name, out, opcode, operands, rest in module.computations[
           computation]:
         own = _own(out, opcode, operands, rest, module.shapes)
-        called = _called(module, opcode, rest)
+        called = _called(module, opcode, operands, rest)
         branches = [flops(n) for n, k in called if k is None]
         inner = max(branches, default=Flops(0, 0))
         for n, k in called:
@@ -257,11 +312,16 @@ def count(hlo_text: str) -> Flops:
             inner = Flops(inner.total + k * sub.total,
                           inner.recompute + k * sub.recompute)
         total += own + inner.total
-        # A leaf by its own name; what an instruction calls by its leaves,
-        # unless XLA cloned the caller itself to rematerialise it (a
-        # fusion's metadata names one of its ops, not all of them).
+        # A matmul by its own name. A loop or call by its own name too: a
+        # replayed loop may run the very body computation of the forward
+        # one, whose ops carry the forward's names. A fusion by its ops
+        # (its metadata names one of them), unless XLA cloned it to
+        # rematerialise it.
         recompute += own if _is_recompute(name, rest) else 0
-        recompute += inner.total if ".remat" in name else inner.recompute
+        whole = ".remat" in name or (
+            opcode in ("while", "call", "conditional")
+            and _is_recompute(name, rest))
+        recompute += inner.total if whole else inner.recompute
       memo[computation] = Flops(total, recompute)
     return memo[computation]
 
