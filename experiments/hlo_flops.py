@@ -15,25 +15,34 @@ FLOPs, and the deviceless GPU compile reports none at all. This module reads
   the estimate's `flops` (the KDA kernels carry none and count 0, as in
   XLA's own cost analysis);
 
-recursing into fusions and called computations, a while loop's body times
-its trip count (XLA's `known_trip_count` where the compiler states it, as
-XLA:CPU and XLA:GPU do; else the constant N of a condition `i < N`, as
-JAX's scan and fori_loop write it, which is how the TPU compiler's
-loops read), a conditional's costliest branch. A data-dependent
-loop (the portable grouped matmul's, `kda_lm.ops.gmm`) counts at the bound
-its name scope (`gmm.MAX_TRIPS_SCOPE`) states: the worst case, every
-expert's rows starting mid-tile. Any other loop without a known trip count
-raises. Element-wise work (norms, softmax, activations, the optimizer) is
-not counted: it is a small share of a transformer step.
+recursing into fusions and called computations, a conditional's costliest
+branch, and a while loop's body times its trip count: XLA's
+`known_trip_count` where the compiler states it (XLA:CPU, XLA:GPU); else
+the bound of the name scope a data-dependent loop states (the portable
+grouped matmul's, `kda_lm.ops.gmm.MAX_TRIPS_SCOPE`: the worst case, every
+expert's rows starting mid-tile); else read from the loop's counter,
+`for (i = start; i < N; i += step)` with constant start, N and step (the
+TPU compiler states no trip count, and steps by 2 through loops it
+unrolled by two). Any other loop raises. Element-wise work (norms,
+softmax, activations, the optimizer) is not counted: it is a small share
+of a transformer step.
 
-The count also says which FLOPs recompute a forward pass: those JAX places
-under `rematted_computation` (a `jax.checkpoint`'s replay: a remat policy,
-the loss's pieces) and those of XLA's own rematerialisation (`.remat`).
+The count also says which FLOPs recompute a forward pass: a matmul, loop
+or call JAX names `rematted_computation` (a `jax.checkpoint`'s replay: a
+remat policy, the loss's pieces, an MLA query block), and what XLA's own
+rematerialisation cloned (`.remat`). A custom VJP's forward replayed
+inside a checkpoint keeps its forward names (JAX does not rename it) and
+counts as work, not recompute, unless it is a loop.
+
+`python -m experiments.hlo_flops FILE...` prints the count of saved HLO
+text (`python -m experiments.fit --hlo_dir=...`).
 """
 
+import gzip
 import json
 import math
 import re
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -326,3 +335,18 @@ def count(hlo_text: str) -> Flops:
     return memo[computation]
 
   return flops(module.entry)
+
+
+def main(paths):
+  """Prints the count of each HLO text file (`.gz` read gzipped), e.g. the
+  steps `python -m experiments.fit --hlo_dir=...` saved."""
+  for path in paths:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else
+          open(path)) as f:
+      flops = count(f.read())
+    print(f"{path}: {flops.total / 1e12:.3f} TFLOP, of which recompute "
+          f"{flops.recompute / 1e12:.3f}")
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
