@@ -29,8 +29,9 @@ of a transformer step.
 
 The count also says which FLOPs recompute a forward pass: a matmul, loop
 or call JAX names `rematted_computation` (a `jax.checkpoint`'s replay: a
-remat policy, the loss's pieces, an MLA query block), and what XLA's own
-rematerialisation cloned (`.remat`). A custom VJP's forward replayed
+remat policy, the loss's pieces, an MLA query block), and the extra
+copies XLA's own rematerialisation made (`.remat<n>` clones beyond one per
+original). A custom VJP's forward replayed
 inside a checkpoint keeps its forward names (JAX does not rename it) and
 counts as work, not recompute, unless it is a loop.
 
@@ -280,12 +281,28 @@ class Flops(NamedTuple):
   recompute: int
 
 
-def _is_recompute(name, rest):
+def _is_replay(rest):
   """JAX names the forward a `jax.checkpoint` replays in the backward pass
-  `rematted_computation`; XLA's own rematerialisation suffixes `.remat`."""
+  `rematted_computation`."""
   op_name = _OP_NAME.search(rest)
-  return ".remat" in name or bool(
-      op_name and "rematted_computation" in op_name.group(1))
+  return bool(op_name and "rematted_computation" in op_name.group(1))
+
+
+def _extra_copies(instructions):
+  """The names of a computation's instructions that XLA's own
+  rematerialisation added: it suffixes a clone `.remat<n>` and deletes the
+  original once no use is left, so of a family (one base name) all but
+  one instance are extra work."""
+  names = [i[0] for i in instructions]
+  present, extra = set(names), set()
+  for name in names:
+    if ".remat" in name:
+      base = name.split(".remat")[0]
+      if base in present:
+        extra.add(name)
+      else:
+        present.add(base)  # This clone stands for the deleted original.
+  return extra
 
 
 def _own(out, opcode, operands, rest, shapes):
@@ -309,6 +326,7 @@ def count(hlo_text: str) -> Flops:
     if computation not in memo:
       memo[computation] = Flops(0, 0)  # A cycle: a malformed module.
       total = recompute = 0
+      extra = _extra_copies(module.computations[computation])
       for name, out, opcode, operands, rest in module.computations[
           computation]:
         own = _own(out, opcode, operands, rest, module.shapes)
@@ -324,12 +342,11 @@ def count(hlo_text: str) -> Flops:
         # A matmul by its own name. A loop or call by its own name too: a
         # replayed loop may run the very body computation of the forward
         # one, whose ops carry the forward's names. A fusion by its ops
-        # (its metadata names one of them), unless XLA cloned it to
-        # rematerialise it.
-        recompute += own if _is_recompute(name, rest) else 0
-        whole = ".remat" in name or (
-            opcode in ("while", "call", "conditional")
-            and _is_recompute(name, rest))
+        # (its metadata names one of them), unless it is an extra copy.
+        replay = _is_replay(rest)
+        whole = name in extra or (
+            replay and opcode in ("while", "call", "conditional"))
+        recompute += own if (replay or name in extra) else 0
         recompute += inner.total if whole else inner.recompute
       memo[computation] = Flops(total, recompute)
     return memo[computation]
