@@ -175,7 +175,11 @@ def fit(m, mesh_text: str, chip: Chip, B: int, T: int, remat: str,
     out.temp_gib = memory.temp_size_in_bytes / GIB
     hlo = compiled.as_text()
     _save_hlo(hlo, m, mesh_text, chip, B, T, remat, accum, loss_chunks)
-    flops = hlo_flops.count(hlo)
+    try:
+      flops = hlo_flops.count(hlo)
+    except ValueError as e:  # A loop form the count cannot read.
+      logging.warning("FLOPs not counted: %s", e)
+      return out
     out.compiled_tflop = flops.total / 1e12
     out.recompute_tflop = flops.recompute / 1e12
     cost = compiled.cost_analysis() or {}
@@ -208,15 +212,18 @@ def row(name, target, mesh, T, B, accum, remat, chip, f: Fit) -> str:
             f"{f.analytic_tflop:.1f} | - | - | - | - | no: the float32 "
             f"parameters, gradients and AdamW moments alone take "
             f"{f.total_gib:.1f} GiB per device (not compiled) |")
+  memory = (f"{head} {f.args_gib:.2f} | {f.temp_gib:.2f} | "
+            f"{f.total_gib:.1f} / {chip.hbm_gib:.0f} |")
+  fits = "yes" if f.fits(chip) else "no"
+  if not f.compiled_tflop:  # Not counted (logged why).
+    return (f"{memory} - | - | {f.analytic_tflop:.1f} | - | - | - | "
+            f"{f.seconds:.0f} | {fits} |")
   step_s = f.compiled_tflop / chip.peak_tflops
   tokens = B * T / mesh_devices(mesh)
   ratio = (f.compiled_tflop - f.recompute_tflop) / f.analytic_tflop
-  return (f"{head} {f.args_gib:.2f} | {f.temp_gib:.2f} | "
-          f"{f.total_gib:.1f} / {chip.hbm_gib:.0f} | "
-          f"{f.compiled_tflop:.1f} | {f.recompute_tflop:.1f} | "
+  return (f"{memory} {f.compiled_tflop:.1f} | {f.recompute_tflop:.1f} | "
           f"{f.analytic_tflop:.1f} | {ratio:.2f} | {step_s:.2f} | "
-          f"{tokens / step_s:,.0f} | {f.seconds:.0f} | "
-          f"{'yes' if f.fits(chip) else 'no'} |")
+          f"{tokens / step_s:,.0f} | {f.seconds:.0f} | {fits} |")
 
 
 def mesh_devices(mesh_text: str) -> int:

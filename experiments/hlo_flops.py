@@ -214,9 +214,10 @@ def _step(module, body, k):
   _, _, opcode, operands, _ = _root(module, body)
   if opcode != "tuple":
     return None
-  _, _, opcode, operands, _ = module.instructions[operands[k]]
-  if opcode != "add":
+  counter = _source(module, operands[k])
+  if not counter or counter[2] != "add":
     return None
+  operands = counter[3]
   steps = [_constant(module, o) for o in operands]
   counters = [_index(module, o) for o in operands]
   if k in counters and any(v is not None for v in steps):

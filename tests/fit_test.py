@@ -24,6 +24,10 @@ def test_ratio_leaves_out_the_recompute():
       args_gib=11.0, temp_gib=22.0, compiled_tflop=30.0,
       analytic_tflop=30.0)).split("|")]
   assert cells[-2] == "no"  # 33 GiB > 32
+  uncounted = _row(fit.Fit(args_gib=11.0, temp_gib=13.0, analytic_tflop=30.0))
+  assert [c.strip() for c in uncounted.split("|")][11:14] == ["-", "-",
+                                                              "30.0"]
+  assert len(uncounted.split("|")) == len(fit.HEADER.split("|"))
   error = _row(fit.Fit(analytic_tflop=30.0, error="boom"))
   assert "error: boom" in error
   assert len(error.split("|")) == len(fit.HEADER.split("|"))
