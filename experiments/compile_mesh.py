@@ -217,10 +217,10 @@ def compile_step(m, mesh_config, devs, B, T, platform, remat="none",
   return compiled, time.time() - start
 
 
-def state_gib(m, mesh_config, devs, grads=False):
+def state_and_grads_gib(m, mesh_config, devs):
   """GiB per device of the train state (parameters, AdamW moments) of the
-  model `m` as `sharding.state_shardings` lays it out on the mesh; with
-  `grads`, plus one gradient per parameter laid out as the parameters."""
+  model `m` as `sharding.state_shardings` lays it out on the mesh, and of
+  one gradient per parameter laid out as the parameters."""
   mesh = sharding.make_mesh(mesh_config, list(devs))
   model = model_lib.build(m)
   tx, _ = optimizer.make_optimizer(ling3.get_config().opt, 100)
@@ -234,10 +234,12 @@ def state_gib(m, mesh_config, devs, grads=False):
                                jax.tree.leaves(tree_shardings), strict=True)
                ) / GIB
 
-  total = gib(abstract, shardings)
-  if grads:
-    total += gib(abstract.params, shardings.params)
-  return total
+  return gib(abstract, shardings), gib(abstract.params, shardings.params)
+
+
+def state_gib(m, mesh_config, devs):
+  """GiB per device of the train state (`state_and_grads_gib`'s first)."""
+  return state_and_grads_gib(m, mesh_config, devs)[0]
 
 
 def state_table(specs):

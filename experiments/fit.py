@@ -134,13 +134,13 @@ def _compile(m, mesh_text, chip, B, T, remat, accum, loss_chunks):
       chip.platform, remat, accum, loss_chunks)
 
 
-def state_gib(m, mesh_text: str, chip: Chip, grads=False) -> float:
-  """GiB per device of the parameters and AdamW moments (with `grads`,
-  and the gradients) as the training state's shardings lay them out on
-  the mesh (no compile)."""
-  return compile_mesh.state_gib(
+def state_and_grads_gib(m, mesh_text: str, chip: Chip) -> tuple:
+  """GiB per device of the parameters and AdamW moments, and of the
+  gradients, as the training state's shardings lay them out on the mesh
+  (no compile)."""
+  return compile_mesh.state_and_grads_gib(
       m, compile_mesh.parse_mesh(mesh_text),
-      list(target_devices(chip))[:mesh_devices(mesh_text)], grads)
+      list(target_devices(chip))[:mesh_devices(mesh_text)])
 
 
 def _save_hlo(hlo, m, mesh_text, chip, B, T, remat, accum, loss_chunks):
@@ -161,8 +161,7 @@ def fit(m, mesh_text: str, chip: Chip, B: int, T: int, remat: str,
   from the optimized HLO, loops times their trip counts)."""
   out = Fit(analytic_tflop=compile_mesh.analytic_flops(m, B, T)
             / mesh_devices(mesh_text) / 1e12)
-  out.args_gib = state_gib(m, mesh_text, chip)
-  out.temp_gib = state_gib(m, mesh_text, chip, grads=True) - out.args_gib
+  out.args_gib, out.temp_gib = state_and_grads_gib(m, mesh_text, chip)
   if out.total_gib > chip.hbm_gib:
     out.state_only = True
     return out

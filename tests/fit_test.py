@@ -61,13 +61,13 @@ def test_state_floor_adds_one_float32_gradient_per_parameter():
   m = fit.model_config("ling3:tiny", 2, True)
   mesh = compile_mesh.parse_mesh("fsdp=1")
   devs = jax.devices()[:1]
-  state = compile_mesh.state_gib(m, mesh, devs)
-  floor = compile_mesh.state_gib(m, mesh, devs, grads=True)
+  state, grads = compile_mesh.state_and_grads_gib(m, mesh, devs)
+  assert state == compile_mesh.state_gib(m, mesh, devs)
   params = jax.eval_shape(
       compile_mesh.model_lib.build(m).init, jax.random.PRNGKey(0),
       np.zeros((1, 8), np.int32))
   gib = sum(a.size * a.dtype.itemsize
             for a in jax.tree.leaves(params)) / fit.GIB
-  assert abs((floor - state) - gib) <= 1e-9 * gib, (floor, state, gib)
+  assert abs(grads - gib) <= 1e-9 * gib, (grads, gib)
   # Parameters and two AdamW moments, all float32, and a few scalars.
   assert abs(state - 3 * gib) <= 1e-6 * gib, (state, gib)
