@@ -61,8 +61,8 @@ _CALLED = re.compile(
 _CALLED_LIST = re.compile(
     r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-# The scope may be wrapped by a transformation's name: `jvp(<scope>)/`.
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+# The scope may be wrapped by a transformation's name: `jvp(<scope>)/`.
 _MAX_TRIPS = re.compile(r"\b" + gmm.MAX_TRIPS_SCOPE.format(r"(\d+)") + r"\b")
 
 
