@@ -45,6 +45,7 @@ import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import gzip  # noqa: E402
 import importlib  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 
@@ -116,14 +117,32 @@ class Fit:
   # the step is not compiled (no remat policy or batch can make it fit);
   # temp_gib then holds the gradients only.
   state_only: bool = False
+  # Set when the compiler refused the step for want of HBM (the TPU
+  # compiler does): temp_gib holds the temporaries it said it needs.
+  out_of_hbm: bool = False
 
   @property
   def total_gib(self) -> float:
     return self.args_gib + self.temp_gib
 
   def fits(self, chip: Chip) -> bool:
-    return (not self.error and not self.state_only
+    return (not self.error and not self.state_only and not self.out_of_hbm
             and self.total_gib <= chip.hbm_gib)
+
+
+# The TPU compiler's refusal: "... the total memory required for HLO
+# temporaries (125.16G) exceeds available HBM (95.74G)" (binary units).
+_OUT_OF_HBM = re.compile(r"memory required for HLO temporaries "
+                         r"\(([\d.]+)([KMGT])\)")
+
+
+def out_of_hbm_gib(message: str):
+  """The temporaries in GiB a compiler's out-of-HBM error names, or None."""
+  found = _OUT_OF_HBM.search(message)
+  if not found:
+    return None
+  return float(found.group(1)) * 1024.0 ** "KMGT".index(found.group(2)) / (
+      1024.0 ** 2)
 
 
 def _compile(m, mesh_text, chip, B, T, remat, accum, loss_chunks):
@@ -187,6 +206,11 @@ def fit(m, mesh_text: str, chip: Chip, B: int, T: int, remat: str,
                  out.compiled_tflop, out.recompute_tflop,
                  float(cost.get("flops", 0.0)) / 1e12)
   except Exception as e:  # pylint: disable=broad-except
+    needed = out_of_hbm_gib(str(e))
+    if needed is not None:
+      logging.info("The compiler refused the step: %s", str(e)[:300])
+      out.temp_gib, out.out_of_hbm = needed, True
+      return out
     traceback.print_exc()
     out.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
   return out
@@ -214,6 +238,10 @@ def row(name, target, mesh, T, B, accum, remat, chip, f: Fit) -> str:
   memory = (f"{head} {f.args_gib:.2f} | {f.temp_gib:.2f} | "
             f"{f.total_gib:.1f} / {chip.hbm_gib:.0f} |")
   fits = "yes" if f.fits(chip) else "no"
+  if f.out_of_hbm:
+    return (f"{memory} - | - | {f.analytic_tflop:.1f} | - | - | - | - | "
+            f"no: the compiler needs {f.temp_gib:.2f} GiB of temporaries "
+            f"(arguments: the state's) |")
   if not f.compiled_tflop:  # Not counted (logged why).
     return (f"{memory} - | - | {f.analytic_tflop:.1f} | - | - | - | "
             f"{f.seconds:.0f} | {fits} |")

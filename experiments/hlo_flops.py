@@ -44,7 +44,7 @@ import json
 import math
 import re
 import sys
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -318,8 +318,14 @@ def _own(out, opcode, operands, rest, shapes):
   return 0
 
 
-def count(hlo_text: str) -> Flops:
-  """Matmul FLOPs per device of one run of the module's entry."""
+def _in_scope(rest, scope):
+  op_name = _OP_NAME.search(rest)
+  return scope is None or bool(op_name and scope in op_name.group(1))
+
+
+def count(hlo_text: str, scope: Optional[str] = None) -> Flops:
+  """Matmul FLOPs per device of one run of the module's entry: of every
+  matmul, or of those whose JAX name (`op_name`) contains `scope`."""
   module = _parse(hlo_text)
   memo = {}
 
@@ -330,7 +336,8 @@ def count(hlo_text: str) -> Flops:
       extra = _extra_copies(module.computations[computation])
       for name, out, opcode, operands, rest in module.computations[
           computation]:
-        own = _own(out, opcode, operands, rest, module.shapes)
+        own = _own(out, opcode, operands, rest, module.shapes) if (
+            _in_scope(rest, scope)) else 0
         called = _called(module, opcode, operands, rest)
         branches = [flops(n) for n, k in called if k is None]
         inner = max(branches, default=Flops(0, 0))

@@ -33,6 +33,24 @@ def test_ratio_leaves_out_the_recompute():
   assert len(error.split("|")) == len(fit.HEADER.split("|"))
 
 
+def test_the_compilers_out_of_hbm_refusal_is_a_row_that_does_not_fit():
+  message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+             "required for HLO temporaries (125.16G) exceeds available HBM "
+             "(95.74G).")
+  assert fit.out_of_hbm_gib(message) == 125.16
+  assert fit.out_of_hbm_gib(
+      "memory required for HLO temporaries (512.00M)") == 0.5
+  assert fit.out_of_hbm_gib("INTERNAL: something else") is None
+  f = fit.Fit(args_gib=11.0, temp_gib=125.16, analytic_tflop=30.0,
+              out_of_hbm=True)
+  assert not f.fits(fit.CHIPS["v5p-8"]) and not f.fits(CHIP)
+  assert not fit.Fit(args_gib=1.0, temp_gib=1.0, out_of_hbm=True).fits(CHIP)
+  cells = [c.strip() for c in _row(f).split("|")]
+  assert len(cells) == len(fit.HEADER.split("|"))
+  assert cells[8:11] == ["11.00", "125.16", "136.2 / 32"], cells
+  assert cells[-2].startswith("no: the compiler needs 125.16 GiB"), cells
+
+
 def test_grow_doubles_while_the_step_fits():
   tried = []
 

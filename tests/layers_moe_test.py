@@ -134,6 +134,25 @@ def test_bias_changes_routing_not_combine_weights():
     np.testing.assert_allclose(w.sum(-1), SCALE, rtol=1e-6)
 
 
+def test_route_and_load_keep_leading_token_dims():
+  """[B,T,E] scores route as their [M,E] rows (group-limited too)."""
+  rng = np.random.default_rng(5)
+  scores = jax.nn.sigmoid(jnp.asarray(rng.normal(size=(3, 5, E)),
+                                      jnp.float32))
+  bias = jnp.asarray(rng.normal(size=E) * 0.1, jnp.float32)
+  valid = jnp.asarray(rng.uniform(size=(3, 5)) > 0.3)
+  kw = dict(n_group=N_GROUP, topk_group=TOPK_GROUP,
+            routed_scaling_factor=SCALE)
+  idx, w = moe.route(scores, bias, K, **kw)
+  idx_flat, w_flat = moe.route(scores.reshape(-1, E), bias, K, **kw)
+  assert idx.shape == w.shape == (3, 5, K)
+  np.testing.assert_array_equal(idx.reshape(-1, K), idx_flat)
+  np.testing.assert_array_equal(w.reshape(-1, K), w_flat)
+  np.testing.assert_array_equal(
+      moe.expert_load(idx, E, valid),
+      moe.expert_load(idx_flat, E, valid.reshape(-1)))
+
+
 def test_weights_without_renormalisation_are_the_raw_scores():
   rng = np.random.default_rng(3)
   scores = jax.nn.sigmoid(jnp.asarray(rng.normal(size=(16, E)), jnp.float32))
@@ -306,12 +325,17 @@ CHECKS = os.path.join(testing.REPO, "tests", "layers_moe_checks.py")
 
 def test_expert_parallel_layer_on_meshes_equals_one_device():
   """`layers_moe_checks.py` (8 fake devices): the layer under expert=2
-  and 4 meshes (beside data, fsdp, context) against no mesh."""
+  and 4 meshes (beside data, fsdp, context) against no mesh; the shared
+  experts' FLOPs per device under fsdp x context."""
   result = subprocess.run([sys.executable, CHECKS], cwd=testing.REPO,
                           env=testing.subprocess_env(), capture_output=True,
                           text=True, timeout=600, check=False)
   assert result.returncode == 0, result.stderr[-4000:]
-  results = json.loads(result.stdout.strip().splitlines()[-1])
+  out = json.loads(result.stdout.strip().splitlines()[-1])
+  # The shared experts run on each device's own tokens: flattening [B,T]
+  # before them once replicated them over `context` (2x here).
+  assert out["flops"]["per_device"] == out["flops"]["expected"], out["flops"]
+  results = out["errors"]
   assert len(results) == 3 * 2 + 1 + 2, sorted(results)
   for case, errors in results.items():
     assert errors["y"] <= 1e-6 and errors["grads"] <= 1e-6, (case, errors)

@@ -90,7 +90,9 @@ def route(scores: jax.Array, bias: jax.Array, top_k: int, *,
   """Selects experts and their combine weights.
 
   Args:
-    scores: [M,E] float32 sigmoid router scores.
+    scores: [...,E] float32 sigmoid router scores (any leading token dims:
+      [B,T,E] keeps a batch and context sharding that flattening to [M,E]
+      would lose).
     bias: [E] selection bias (selection only; no gradient flows to it).
     top_k: A.
     n_group: expert groups for group-limited selection (1 = none).
@@ -100,21 +102,21 @@ def route(scores: jax.Array, bias: jax.Array, top_k: int, *,
       sigmoid scores, `norm_topk_prob=False` in Hugging Face configs).
 
   Returns:
-    (idx [M,A] int32 expert ids, weights [M,A] float32 from the raw scores).
+    (idx [...,A] int32 expert ids, weights [...,A] float32 from the raw
+    scores).
   """
-  M, E = scores.shape
-  sel = scores + jax.lax.stop_gradient(bias).astype(scores.dtype)[None]
+  E = scores.shape[-1]
+  sel = scores + jax.lax.stop_gradient(bias).astype(scores.dtype)
   sel = jax.lax.stop_gradient(sel)
   if n_group > 1:
-    grouped = sel.reshape(M, n_group, E // n_group)
-    top2 = jax.lax.top_k(grouped, min(2, E // n_group))[0].sum(-1)  # [M,G]
+    grouped = sel.reshape(*sel.shape[:-1], n_group, E // n_group)
+    top2 = jax.lax.top_k(grouped, min(2, E // n_group))[0].sum(-1)  # [...,G]
     _, keep = jax.lax.top_k(top2, topk_group)
-    group_mask = jnp.zeros((M, n_group), bool).at[
-        jnp.arange(M)[:, None], keep].set(True)
-    expert_mask = jnp.repeat(group_mask, E // n_group, axis=1)
+    group_mask = jax.nn.one_hot(keep, n_group, dtype=jnp.int32).sum(-2) > 0
+    expert_mask = jnp.repeat(group_mask, E // n_group, axis=-1)
     sel = jnp.where(expert_mask, sel, -jnp.inf)
   _, idx = jax.lax.top_k(sel, top_k)
-  w = jnp.take_along_axis(scores, idx, axis=1)
+  w = jnp.take_along_axis(scores, idx, axis=-1)
   if renormalize:
     w = w / (w.sum(-1, keepdims=True) + 1e-20)
   w = w * routed_scaling_factor
@@ -123,11 +125,17 @@ def route(scores: jax.Array, bias: jax.Array, top_k: int, *,
 
 def expert_load(idx: jax.Array, num_experts: int,
                 valid: Optional[jax.Array] = None) -> jax.Array:
-  """Tokens routed to each expert: [E] float32 (padding tokens excluded)."""
-  onehot = jax.nn.one_hot(idx, num_experts, dtype=jnp.float32)  # [M,A,E]
+  """Tokens routed to each expert: [E] float32 (padding tokens excluded).
+
+  Args:
+    idx: [...,A] expert ids.
+    num_experts: E.
+    valid: optional bool mask like `idx[..., 0]`.
+  """
+  onehot = jax.nn.one_hot(idx, num_experts, dtype=jnp.float32)  # [...,A,E]
   if valid is not None:
-    onehot = onehot * valid.astype(jnp.float32)[:, None, None]
-  return onehot.sum((0, 1))
+    onehot = onehot * valid.astype(jnp.float32)[..., None, None]
+  return onehot.reshape(-1, num_experts).sum(0)
 
 
 def update_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
@@ -312,13 +320,15 @@ def expert_parallel_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
 
 
 def _dispatch(x, idx, w, weights, impl, capacity_factor):
-  """`dispatch_swiglu` of `x` ([B,T,D] or [M,D]): [M,D]. Under a device
-  mesh each device sorts and runs only its own tokens; with an `expert`
-  axis, through the experts of every device on that axis."""
+  """`dispatch_swiglu` of `x` ([B,T,D] or [M,D]; `idx`, `w` [...,A]), like
+  `x`. Under a device mesh each device sorts and runs only its own tokens;
+  with an `expert` axis, through the experts of every device on that
+  axis."""
   D, A = x.shape[-1], idx.shape[-1]
   if x.ndim != 3 or not context_parallel.under_mesh():
-    return dispatch_swiglu(x.reshape(-1, D), idx, w, *weights, impl=impl)
-  B, T = x.shape[:2]
+    return dispatch_swiglu(x.reshape(-1, D), idx.reshape(-1, A),
+                           w.reshape(-1, A), *weights,
+                           impl=impl).reshape(x.shape)
 
   shards = context_parallel.expert_size()
 
@@ -339,13 +349,12 @@ def _dispatch(x, idx, w, weights, impl, capacity_factor):
       y = dispatch_swiglu(*args, impl=impl)
     return y.reshape(b, t, D)
 
-  tokens = [x, idx.reshape(B, T, A), w.reshape(B, T, A)]
+  tokens = [x, idx, w]
   check_vma = gmm.resolve_impl(impl) != "megablox"
   if shards > 1:
     return context_parallel.expert_map(local, tokens, list(weights),
-                                       check_vma).reshape(-1, D)
-  return context_parallel.token_map(local, tokens, list(weights),
-                                    check_vma).reshape(-1, D)
+                                       check_vma)
+  return context_parallel.token_map(local, tokens, list(weights), check_vma)
 
 
 class MoE(hk.Module):
@@ -407,14 +416,16 @@ class MoE(hk.Module):
     Returns:
       (y like x, load [E] float32 token counts per expert).
     """
-    shape = x.shape
-    D, E, F = shape[-1], self.num_experts, self.hidden
-    x_MD = x.reshape(-1, D)
+    # Tokens keep their leading dims throughout: flattening [B,T] to [M]
+    # outside `shard_map` merges a batch-sharded and a context-sharded dim,
+    # which GSPMD cannot tile once a device holds two or more rows, so it
+    # would replicate the router and shared experts over `context`.
+    D, E, F = x.shape[-1], self.num_experts, self.hidden
     w_router = hk.get_parameter(
         "router", [D, E], jnp.float32,
         init=hk.initializers.TruncatedNormal(D ** -0.5))
     bias = hk.get_parameter(BIAS_NAME, [E], jnp.float32, init=jnp.zeros)
-    scores = jax.nn.sigmoid(jnp.dot(x_MD.astype(jnp.float32), w_router))
+    scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), w_router))
     idx, w = route(scores, bias, self.top_k, **self.routing)
     init_in = hk.initializers.TruncatedNormal(D ** -0.5)
     init_out = hk.initializers.TruncatedNormal(F ** -0.5)
@@ -426,9 +437,8 @@ class MoE(hk.Module):
                   self.capacity_factor)
     if self.num_shared:
       y = y + mlp.SwiGLU(self.num_shared * F, param_dtype=pdt,
-                         name="shared_experts")(x_MD)
-    load = expert_load(idx, E, None if valid is None else valid.reshape(-1))
-    return y.reshape(shape), load
+                         name="shared_experts")(x)
+    return y, expert_load(idx, E, valid)
 
 
 def param_count(d_model: int, num_experts: int, intermediate_size: int,
