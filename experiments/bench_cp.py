@@ -12,7 +12,9 @@ step it reports
   (all-gather, all-reduce, reduce-scatter, collective-permute, all-to-all)
   of one device's program, a count from the HLO text, not a measurement;
 * extra FLOPs: (n x per-device FLOPs - single-device FLOPs) / single-device
-  FLOPs (`cost_analysis()`): the work the exchange adds (the widened KDA
+  FLOPs, matmul FLOPs counted from the compiled HLO with every loop's trip
+  count (`experiments/hlo_flops.py`; XLA's `cost_analysis()` counts a
+  loop's body once): the work the exchange adds (the widened KDA
   pass, the state combine, MLA's extra diagonal half piece per shard and
   whole-row key expansion, and whatever GSPMD partitions differently).
 
@@ -68,6 +70,7 @@ def _measure(seq_len: int, n: int) -> dict[str, float]:
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   from configs import ling3_tiny  # pylint: disable=g-import-not-at-top
+  from experiments import hlo_flops  # pylint: disable=g-import-not-at-top
   from kda_lm import model  # pylint: disable=g-import-not-at-top
   from kda_lm.parallel import sharding
 
@@ -94,10 +97,8 @@ def _measure(seq_len: int, n: int) -> dict[str, float]:
                            tokens.shape, tokens.dtype),
                                jax.ShapeDtypeStruct(ids.shape, jnp.int32)
                                ).compile()
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
   return {"temp": compiled.memory_analysis().temp_size_in_bytes,
-          "flops": float(cost["flops"]),
+          "flops": float(hlo_flops.count(compiled.as_text()).total),
           "comm": collective_bytes(compiled.as_text())}
 
 

@@ -135,7 +135,7 @@ def expert_load(idx: jax.Array, num_experts: int,
   onehot = jax.nn.one_hot(idx, num_experts, dtype=jnp.float32)  # [...,A,E]
   if valid is not None:
     onehot = onehot * valid.astype(jnp.float32)[..., None, None]
-  return onehot.reshape(-1, num_experts).sum(0)
+  return onehot.sum(tuple(range(onehot.ndim - 1)))
 
 
 def update_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
