@@ -46,6 +46,31 @@ def test_unrolled_matches_the_dots():
   assert flops == (3 * L - 1) * 2 * B * W * W
 
 
+def _two_scopes(w_LWW, x_BW):
+  with jax.named_scope("first"):
+    x_BW = x_BW @ w_LWW[0]
+  with jax.named_scope("second"):
+    return jnp.sum(jnp.tanh(x_BW) @ w_LWW[1] @ w_LWW[2])
+
+
+def test_a_scope_counts_its_own_matmuls(tmp_path, capsys):
+  text = jax.jit(_two_scopes).lower(
+      jnp.ones((L, W, W)), jnp.ones((B, W))).compile().as_text()
+  one = 2 * B * W * W
+  assert hlo_flops.count(text, scope="first").total == one
+  assert hlo_flops.count(text, scope="second").total == 2 * one
+  assert hlo_flops.count(text, scope="third").total == 0
+  path = tmp_path / "step.hlo"
+  path.write_text(text)
+  hlo_flops.main(["--scope=second", str(path)])
+  # In all, then within the scope.
+  lines = capsys.readouterr().out.splitlines()
+  assert [line.split(": ")[0] for line in lines] == [
+      str(path), f"{path} [second]"]
+  with pytest.raises(SystemExit, match="usage"):
+    hlo_flops.main(["--scope=second"])
+
+
 def test_a_loop_without_a_trip_count_is_refused():
   def until(w_LWW, x_BW):
     return jax.lax.while_loop(lambda h: jnp.sum(h) < 1e3,
