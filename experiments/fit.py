@@ -222,6 +222,22 @@ HEADER = ("| model | target | mesh | T | B | accum | remat | args GiB | "
           "fits |")
 
 
+# A fitting step with less HBM than this to spare says how little: the
+# runtime holds some memory outside the compiled program (on GPU, CUDA's
+# context; JAX's GPU client also preallocates only a fraction of the HBM
+# unless XLA_CLIENT_MEM_FRACTION says more).
+TIGHT_GIB = 2.0
+
+
+def verdict(f: Fit, chip: Chip) -> str:
+  """"yes", "yes, X GiB spare" when under TIGHT_GIB is, or "no, by X GiB"
+  for a compiled step (args + temporaries against the chip's HBM)."""
+  spare = chip.hbm_gib - f.total_gib
+  if not f.fits(chip):
+    return f"no, by {-spare:.1f} GiB"
+  return "yes" if spare >= TIGHT_GIB else f"yes, {spare:.1f} GiB spare"
+
+
 def row(name, target, mesh, T, B, accum, remat, chip, f: Fit) -> str:
   """One table row. The ratio is compiled FLOPs less recompute over the
   analytic count; the roofline step time counts every compiled FLOP."""
@@ -237,7 +253,7 @@ def row(name, target, mesh, T, B, accum, remat, chip, f: Fit) -> str:
             f"{f.total_gib:.1f} GiB per device (not compiled) |")
   memory = (f"{head} {f.args_gib:.2f} | {f.temp_gib:.2f} | "
             f"{f.total_gib:.1f} / {chip.hbm_gib:.0f} |")
-  fits = "yes" if f.fits(chip) else "no"
+  fits = verdict(f, chip)
   if f.out_of_hbm:
     return (f"{memory} - | - | {f.analytic_tflop:.1f} | - | - | - | - | "
             f"no: the compiler needs {f.temp_gib:.2f} GiB of temporaries "

@@ -23,7 +23,7 @@ def test_ratio_leaves_out_the_recompute():
   cells = [c.strip() for c in _row(fit.Fit(
       args_gib=11.0, temp_gib=22.0, compiled_tflop=30.0,
       analytic_tflop=30.0)).split("|")]
-  assert cells[-2] == "no"  # 33 GiB > 32
+  assert cells[-2] == "no, by 1.0 GiB"  # 33 GiB > 32
   uncounted = _row(fit.Fit(args_gib=11.0, temp_gib=13.0, analytic_tflop=30.0))
   assert [c.strip() for c in uncounted.split("|")][11:14] == ["-", "-",
                                                               "30.0"]
@@ -31,6 +31,16 @@ def test_ratio_leaves_out_the_recompute():
   error = _row(fit.Fit(analytic_tflop=30.0, error="boom"))
   assert "error: boom" in error
   assert len(error.split("|")) == len(fit.HEADER.split("|"))
+
+
+def test_the_verdict_says_how_near_the_hbm_a_step_is():
+  assert fit.verdict(fit.Fit(args_gib=11.0, temp_gib=19.0), CHIP) == "yes"
+  assert fit.verdict(fit.Fit(args_gib=11.0, temp_gib=19.5), CHIP) == (
+      "yes, 1.5 GiB spare")
+  assert fit.verdict(fit.Fit(args_gib=11.0, temp_gib=21.0), CHIP) == (
+      "yes, 0.0 GiB spare")
+  assert fit.verdict(fit.Fit(args_gib=11.0, temp_gib=23.44), CHIP) == (
+      "no, by 2.4 GiB")
 
 
 def test_the_compilers_out_of_hbm_refusal_is_a_row_that_does_not_fit():
