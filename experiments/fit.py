@@ -230,8 +230,9 @@ TIGHT_GIB = 2.0
 
 
 def verdict(f: Fit, chip: Chip) -> str:
-  """"yes", "yes, X GiB spare" when under TIGHT_GIB is, or "no, by X GiB"
-  for a compiled step (args + temporaries against the chip's HBM)."""
+  """A compiled step's fits cell, its arguments + temporaries against the
+  chip's HBM: `yes`, `yes, X GiB spare` (under TIGHT_GIB left) or `no, by
+  X GiB`."""
   spare = chip.hbm_gib - f.total_gib
   if not f.fits(chip):
     return f"no, by {-spare:.1f} GiB"
