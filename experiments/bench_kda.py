@@ -63,7 +63,7 @@ import numpy as np
 
 from kda_lm import testing
 from kda_lm.ops import chunk_kda
-from kda_lm.ops.kda import api
+from kda_lm.ops.kda import api, common
 
 _IMPL = flags.DEFINE_string("impl", "xla", "Implementation to compare with "
                             "the reference (xla; later pallas).")
@@ -95,24 +95,6 @@ _CHUNK = flags.DEFINE_integer("chunk_size", None, "chunk_size passed to "
                               "backend, `api.default_chunk_size`).")
 
 MIB = 2.0 ** 20
-
-
-def flops_per_token_head(K, V, C, backward=False):
-  """Matmul FLOPs of chunked KDA per token and head (multiply-add = 2).
-
-  Per chunk of C rows: Aqk = (q)(k)^T and Akk = (k)(k)^T with decays, 2 x
-  2C^2K; the triangular inverse (I + M)^-1, C^3/3; w = P (beta k e^G), 2C^2K;
-  u = P (beta v), 2C^2V; v_new = u - w S, 2CKV; o = (q e^G) S + Aqk v_new,
-  2CKV + 2C^2V; S' = e^G_C S + (k e^(G_C - G))^T v_new, 2CKV. Divided by C:
-
-    F = 6CK + 4CV + 6KV + C^2/3        (~1.82e5 for C=64, K=V=128)
-
-  Forward+backward counts 3F (the backward's matmuls are ~2x the forward's;
-  the recomputation of checkpointed chunks is not counted). Elementwise work
-  (exp, masks) is not counted either.
-  """
-  f = 6 * C * K + 4 * C * V + 6 * K * V + C * C / 3
-  return 3 * f if backward else f
 
 
 def matmul_gflops(n=2048, repeats=3):
@@ -381,7 +363,7 @@ class Bench:
       imp, ref = r.get("impl"), r.get("ref")
       if imp is None or ref is None:
         continue
-      flops = B * T * H * flops_per_token_head(
+      flops = B * T * H * common.chunk_flops_per_token_head(
           D, D, C, backward=pass_name == "fwd+bwd")
       gf = flops / imp.seconds / 1e9 if imp.seconds else None
       rows.append([
@@ -412,7 +394,7 @@ class Bench:
                          f"{self.docs} docs ms", "ratio", "work MiB",
                          "work MiB (segs)"], seg_rows))
       out.append("")
-    f = flops_per_token_head(D, D, C)
+    f = common.chunk_flops_per_token_head(D, D, C)
     out.append(
         f"FLOPs: chunked KDA, per token and head, F = 6CK + 4CV + 6KV + "
         f"C^2/3 = {f:.3g} (C={C}, K=V={D}) for the forward and 3F for "

@@ -26,6 +26,7 @@ import logging
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -426,3 +427,158 @@ def test_bf16_dots_within_fla_like_tolerances():
                       pallas_options=dataclasses.replace(
                           CPU, precision="bf16"))
   _compare(params, got, want, fwd_tol=BF16_FWD_TOL, grad_tol=BF16_GRAD_TOL)
+
+
+# ----------------------------------------------------------------------------
+# The TPU family (`pallas/tpu.py`), in interpret mode. On a TPU the same
+# kernels run compiled in tests/ops_kda_tpu_test.py.
+
+TPU_CPU = dataclasses.replace(CPU, family="tpu", heads_per_program=2,
+                              bwd_heads_per_program=2, inverse_heads=2)
+
+
+@functools.lru_cache(maxsize=None)
+def bounded_results():
+  params, static, do, dht = make_inputs(0, 2, PACKED_T, gate="safe")
+  return (params, static, do, dht,
+          fwd_and_grads("reference", params, PACKED_IDS, do, dht, **static))
+
+
+@pytest.mark.parametrize("heads,inverse_heads", [(2, 2), (1, 1), (2, 1)])
+def test_tpu_family_matches_reference(heads, inverse_heads):
+  """Packed rows (1-token documents at chunk edges, padding at the start,
+  middle and end, T not a multiple of 64), bounded gates, IEEE float32
+  dots: outputs, states and every gradient against the reference; padding
+  exactly 0 and finite (with interpret mode's NaN fill on). Heads per
+  program and the heads sharing one block-diagonal inverse change nothing
+  beyond float32 rounding."""
+  params, static, do, dht, want = bounded_results()
+  opts = dataclasses.replace(TPU_CPU, heads_per_program=heads,
+                             bwd_heads_per_program=heads,
+                             inverse_heads=inverse_heads)
+  got = fwd_and_grads("pallas", params, PACKED_IDS, do, dht, **static,
+                      pallas_options=opts)
+  _compare(params, got, want)
+  o, s, grads = got
+  pad = PACKED_IDS == 0
+  assert np.isfinite(o).all() and np.isfinite(s).all()
+  assert np.all(o[pad] == 0.0)
+  for n in FIELDS:
+    if n in params:
+      assert np.isfinite(grads[n]).all(), n
+  for n in TOKEN_FIELDS:
+    assert np.all(grads[n][pad] == 0.0), n
+
+
+def test_tpu_family_bf16_dots_within_tolerances():
+  """The TPU default: bfloat16 chunk and state dots, the gate gradient's
+  products at "bf16_3x" (with bfloat16 operands there dg alone reaches
+  1.3e-2). Measured here: o 3.8e-3, state 3.1e-3, dq 2.7e-3, dk 3.6e-3,
+  dv 2.9e-3, dg 2.1e-3, dbeta 3.1e-3, dh0 2.4e-3."""
+  params, static, do, dht, want = bounded_results()
+  opts = dataclasses.replace(TPU_CPU, precision="bf16")
+  assert opts.tpu_precisions() == ("bf16", "bf16", "bf16_3x")
+  got = fwd_and_grads("pallas", params, PACKED_IDS, do, dht, **static,
+                      pallas_options=opts)
+  _compare(params, got, want, fwd_tol=BF16_FWD_TOL, grad_tol=BF16_GRAD_TOL)
+
+
+def test_tpu_family_changing_one_document_leaves_others_bit_identical():
+  """Row 0's document 7 (60 + 7 tokens, split by padding, crossing t=128)
+  gets new q, k, v, g: every other token's output and every gradient
+  outside it are unchanged, bit for bit."""
+  params, static, do, dht, _ = bounded_results()
+  doc = PACKED_IDS == 7
+  changed = dict(params)
+  rng = np.random.default_rng(5)
+  for n in ("q", "k", "v", "g"):
+    x = params[n].copy()
+    x[doc] = rng.standard_normal(x[doc].shape).astype(np.float32)
+    changed[n] = x
+  a = fwd_and_grads("pallas", params, PACKED_IDS, do, dht, **static,
+                    pallas_options=TPU_CPU)
+  b = fwd_and_grads("pallas", changed, PACKED_IDS, do, dht, **static,
+                    pallas_options=TPU_CPU)
+  assert not np.array_equal(a[0][doc], b[0][doc])
+  np.testing.assert_array_equal(a[0][~doc], b[0][~doc])
+  for n in TOKEN_FIELDS:
+    np.testing.assert_array_equal(a[2][n][~doc], b[2][n][~doc])
+
+
+def _kernel_names(fn, *args):
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        found.append(eqn.params["name"])
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (list, tuple)) else [value]:
+          if isinstance(sub, jax.extend.core.ClosedJaxpr):
+            walk(sub.jaxpr)
+          elif isinstance(sub, jax.extend.core.Jaxpr):
+            walk(sub)
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+def test_tpu_family_runs_two_kernels_and_falls_back_for_unbounded_gates():
+  """Bounded gates: one forward kernel (without the saved states) and, for
+  the gradient, one forward (saving them) and one backward. Unbounded
+  gates take the generic kernels, whatever the family."""
+  params, static, do, dht = make_inputs(0, 1, 128, gate="safe")
+  p = {n: jnp.asarray(x) for n, x in params.items()}
+
+  def fwd(p, static=static):
+    return chunk_kda(**p, impl="pallas", pallas_options=TPU_CPU, **static)[0]
+
+  grad = jax.grad(lambda p: jnp.sum(fwd(p)))
+  assert _kernel_names(fwd, p) == ["kda_tpu_forward"]
+  assert _kernel_names(grad, p) == ["kda_tpu_forward", "kda_tpu_backward"]
+  soft, soft_static, _, _ = make_inputs(0, 1, 128, gate="softplus")
+  names = _kernel_names(lambda p: fwd(p, soft_static),
+                        {n: jnp.asarray(x) for n, x in soft.items()})
+  assert names and not any(n.startswith("kda_tpu") for n in names), names
+
+
+def test_tpu_family_options_and_auto(monkeypatch):
+  tpu = pallas.for_platform("tpu")
+  assert (tpu.family, tpu.precision, tpu.heads_per_program,
+          tpu.bwd_heads_per_program, tpu.inverse_heads) == (
+              "tpu", "bf16", 8, 8, 2)
+  assert dataclasses.replace(tpu, precision="highest").tpu_precisions() == (
+      "highest",) * 3
+  assert dataclasses.replace(tpu, precision="bf16_3x").generic().precision \
+      == "highest"
+  with pytest.raises(ValueError, match="precision"):
+    dataclasses.replace(CPU, precision="bf16_3x")        # generic family
+  with pytest.raises(ValueError, match="family"):
+    dataclasses.replace(CPU, family="mosaic")
+  with pytest.raises(ValueError, match="inverse_heads"):
+    dataclasses.replace(tpu, inverse_heads=0)
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  assert api.resolve_impl("auto", bounded=True) == "pallas"
+  assert api.resolve_impl("auto", bounded=False) == "xla"
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert api.resolve_impl("auto", bounded=False) == "pallas"
+
+
+@pytest.mark.parametrize("mode", ["forward", "backward"])
+def test_tpu_family_cross_lowering(mode):
+  """The TPU family lowers for TPU with bounded gates at T=8192, H=16,
+  K=V=128, bfloat16: one Mosaic kernel forward, two for the gradient."""
+  params, seg = _abstract_args()
+  opts = pallas.for_platform("tpu")
+
+  def call(p, s):
+    return chunk_kda(**p, segment_ids=s, output_final_state=True,
+                     use_gate_in_kernel=True, lower_bound=-5.0,
+                     safe_gate=True, use_qk_l2norm_in_kernel=True,
+                     impl="pallas", pallas_options=opts)
+
+  fn = call
+  if mode == "backward":
+    fn = jax.grad(lambda p, s: jnp.sum(call(p, s)[0].astype(jnp.float32)))
+  text = jax.jit(fn).trace(params, seg).lower(
+      lowering_platforms=("tpu",)).as_text()
+  assert text.count(TARGETS["tpu"]) == (1 if mode == "forward" else 2)

@@ -213,8 +213,9 @@ def _kda_local(q, k, v, g, beta, segment_ids, h0, A_log, dt_bias, *,
   return o_BTHV.astype(q.dtype), final_BHKV[None]
 
 
-def _check_kda(B, T, cu_seqlens, impl):
-  """Refuses what the sharded op cannot do.
+def _check_kda(B, T, cu_seqlens, impl, bounded):
+  """Refuses what the sharded op cannot do (`bounded`: the gates have a
+  lower bound, which `api.resolve_impl` weighs).
 
   Returns:
     (n shards along T, the concrete impl).
@@ -227,7 +228,7 @@ def _check_kda(B, T, cu_seqlens, impl):
     raise ValueError("chunk_kda on a device mesh takes segment_ids, not "
                      "cu_seqlens (rows are sharded over devices).")
   n = check_shape(B, T, "chunk_kda")
-  impl = api.resolve_impl(impl)
+  impl = api.resolve_impl(impl, bounded)
   if impl == "reference" and n > 1:
     raise ValueError("chunk_kda under context parallelism needs impl "
                      "'xla', 'pallas' or 'auto' (the local passes reuse "
@@ -289,7 +290,8 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
         initial_state=initial_state, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, **op_kwargs)
   B, T, H, K = q.shape
-  n, impl = _check_kda(B, T, cu_seqlens, op_kwargs.get("impl", "auto"))
+  n, impl = _check_kda(B, T, cu_seqlens, op_kwargs.get("impl", "auto"),
+                       op_kwargs.get("lower_bound") is not None)
   if n == 1:
     # No vma check: the op's scans start from an unvarying zero state when
     # none is given (shard_map still sums the cotangents of replicated

@@ -108,3 +108,21 @@ def canonicalize(q, k, v, g, beta, masks, *, A_log, dt_bias, lower_bound,
   g = jnp.where(keep4, g, zero)
   beta = jnp.where(keep[:, :, None], beta, zero)
   return q, k, v, g, beta
+
+
+def chunk_flops_per_token_head(K, V, C, backward=False):
+  """Matmul FLOPs of chunked KDA per token and head (multiply-add = 2).
+
+  Per chunk of C rows: Aqk = (q)(k)^T and Akk = (k)(k)^T with decays, 2 x
+  2C^2K; the triangular inverse (I + M)^-1, C^3/3; w = P (beta k e^G), 2C^2K;
+  u = P (beta v), 2C^2V; v_new = u - w S, 2CKV; o = (q e^G) S + Aqk v_new,
+  2CKV + 2C^2V; S' = e^G_C S + (k e^(G_C - G))^T v_new, 2CKV. Divided by C:
+
+    F = 6CK + 4CV + 6KV + C^2/3        (~1.82e5 for C=64, K=V=128)
+
+  Forward+backward counts 3F (the backward's matmuls are ~2x the forward's;
+  the recomputation of checkpointed chunks is not counted). Elementwise work
+  (exp, masks) is not counted either.
+  """
+  f = 6 * C * K + 4 * C * V + 6 * K * V + C * C / 3
+  return 3 * f if backward else f

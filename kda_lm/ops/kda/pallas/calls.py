@@ -16,6 +16,7 @@ from kda_lm import segments
 from kda_lm.ops.kda.pallas import backward, forward
 from kda_lm.ops.kda.pallas import helpers as hp
 from kda_lm.ops.kda.pallas import options as options_lib
+from kda_lm.ops.kda.pallas import tpu
 
 
 def unsupported_reason(K, V, chunk_size):
@@ -317,8 +318,12 @@ def _pow2(n):
   return max(16, 1 << (n - 1).bit_length())
 
 
-def kda_pallas(q, k, v, g, beta, masks, h0, scale, *, options=None):
+def kda_pallas(q, k, v, g, beta, masks, h0, scale, *, options=None,
+               bounded=False, input_dtype=jnp.float32):
   """Chunked KDA over canonical inputs with the Pallas kernels.
+
+  With `options.family == "tpu"` and `bounded` gates the TPU kernels run
+  (`tpu.kda_tpu`, lowered for TPU only); otherwise the generic kernels.
 
   Args:
     q, k, g: [B,T,H,K] float32, zero at padding (see `common`).
@@ -328,6 +333,9 @@ def kda_pallas(q, k, v, g, beta, masks, h0, scale, *, options=None):
     h0: [B,H,K,V] float32.
     scale: float multiplying q.
     options: `KernelOptions`; None means `options.default_options()`.
+    bounded: every gate is >= -5 (the bounded gate form).
+    input_dtype: the caller's dtype of q, k, v: with bfloat16 and bfloat16
+      chunk dots, the TPU kernels read q, k, v in bfloat16.
 
   Returns:
     o [B,T,H,V] float32 (zero at padding) and the final state [B,H,K,V].
@@ -339,6 +347,29 @@ def kda_pallas(q, k, v, g, beta, masks, h0, scale, *, options=None):
     raise NotImplementedError(reason)
   if options is None:
     options = options_lib.default_options()
+  if options.family == "tpu" and bounded:
+    return _tpu_family(q, k, v, g, beta, masks, h0, scale, options,
+                       input_dtype)
+  return _generic(q, k, v, g, beta, masks, h0, scale, options.generic())
+
+
+def _tpu_family(q, k, v, g, beta, masks, h0, scale, options, input_dtype):
+  """The TPU kernels (Mosaic only, or interpreted)."""
+  prec = options.tpu_precisions()
+  cfg = tpu.Config(
+      scale=float(scale), heads=options.heads_per_program,
+      bwd_heads=options.bwd_heads_per_program,
+      inverse_heads=options.inverse_heads,
+      precision=prec, vmem_bytes=options.vmem_limit_mib << 20,
+      interpret=options.interpret,
+      qkv_bf16=input_dtype == jnp.bfloat16 and prec.chunk == "bf16")
+  return tpu.kda_tpu(q, k, v, g, beta, masks, h0, scale, cfg)
+
+
+def _generic(q, k, v, g, beta, masks, h0, scale, options):
+  """The generic kernels (Triton on GPU, Mosaic on TPU, or interpreted)."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
   Tp = -(-T // hp.CHUNK) * hp.CHUNK
   Kp, Vp = _pow2(K), _pow2(V)
 

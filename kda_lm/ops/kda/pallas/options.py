@@ -17,11 +17,16 @@ fields for experiments.
 
 import dataclasses
 import os
+from typing import Optional
 
 import jax
 
+from kda_lm.ops.kda.pallas import tpu_chunk
+
 PRECISIONS = ("highest", "tf32", "bf16")
+TPU_PRECISIONS = tpu_chunk.PRECISIONS   # ("highest", "bf16_3x", "bf16")
 RECURRENCES = ("loop", "grid")
+FAMILIES = ("generic", "tpu")
 PLATFORMS = ("gpu", "tpu", "cpu")
 
 INTERPRET_ENV = "KDA_LM_PALLAS_INTERPRET"
@@ -54,6 +59,25 @@ class KernelOptions:
       grid axis, the state in scratch). Only interpret mode can choose;
       compiled kernels take their platform's form.
     interpret: run the kernels in Pallas interpret mode (CPU).
+    family: "generic" (the kernels shared by Triton and Mosaic: GPU) or
+      "tpu" (the TPU kernels of `tpu.py`: one forward and one backward
+      kernel, several heads per program; they need bounded gates, i.e.
+      `lower_bound`, and fall back to "generic" for unbounded gates and
+      off TPU). With "tpu", `precision` is one of `TPU_PRECISIONS` and sets
+      the chunk-local dots.
+    heads_per_program: heads per forward program ("tpu"; the largest
+      divisor of H up to this).
+    bwd_heads_per_program: heads per backward program ("tpu").
+    inverse_heads: "tpu": heads whose triangular inverses share one
+      block-diagonal matrix (2: 128 x 128, the MXU's width); divides the
+      heads per program.
+    state_precision: "tpu": the dots with the carried state; None = as
+      `precision`.
+    gate_grad_precision: "tpu": the backward's decayed products, whose
+      terms cancel in the gate gradient (bfloat16 operands there give ~1e-2
+      error in dg); None = "highest" if `precision` is, else "bf16_3x".
+    vmem_limit_mib: "tpu": the kernels' scoped-VMEM limit (v5e, v5p and v6e
+      have 128 MiB or more of VMEM).
   """
   num_warps: int = 4
   num_stages: int = 1
@@ -62,6 +86,13 @@ class KernelOptions:
   precision: str = "highest"
   recurrence: str = "loop"
   interpret: bool = False
+  family: str = "generic"
+  heads_per_program: int = 8
+  bwd_heads_per_program: int = 8
+  inverse_heads: int = 2
+  state_precision: Optional[str] = None
+  gate_grad_precision: Optional[str] = None
+  vmem_limit_mib: int = 64
 
   def __post_init__(self):
     def bad(name, what):
@@ -77,12 +108,37 @@ class KernelOptions:
     if (not _is_int(self.k_block) or self.k_block < 16
         or self.k_block & (self.k_block - 1)):
       bad("k_block", "a power of two >= 16")
-    if self.precision not in PRECISIONS:
-      bad("precision", f"one of {PRECISIONS}")
+    if self.family not in FAMILIES:
+      bad("family", f"one of {FAMILIES}")
+    allowed = TPU_PRECISIONS if self.family == "tpu" else PRECISIONS
+    if self.precision not in allowed:
+      bad("precision", f"one of {allowed} (family {self.family!r})")
+    for name in ("state_precision", "gate_grad_precision"):
+      if getattr(self, name) not in (None,) + TPU_PRECISIONS:
+        bad(name, f"None or one of {TPU_PRECISIONS}")
+    for name in ("heads_per_program", "bwd_heads_per_program",
+                 "inverse_heads", "vmem_limit_mib"):
+      if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+        bad(name, "an int >= 1")
     if self.recurrence not in RECURRENCES:
       bad("recurrence", f"one of {RECURRENCES}")
     if not isinstance(self.interpret, bool):
       bad("interpret", "a bool")
+
+
+  def tpu_precisions(self):
+    """The `tpu_chunk.Precisions` of the "tpu" family."""
+    gate_grad = self.gate_grad_precision or (
+        "highest" if self.precision == "highest" else "bf16_3x")
+    return tpu_chunk.Precisions(
+        chunk=self.precision, state=self.state_precision or self.precision,
+        gate_grad=gate_grad)
+
+
+  def generic(self):
+    """These options for the "generic" kernels (the fallback of "tpu")."""
+    precision = self.precision if self.precision in PRECISIONS else "highest"
+    return dataclasses.replace(self, family="generic", precision=precision)
 
 
 def _is_int(x):
@@ -95,8 +151,10 @@ def for_platform(platform):
   GPU: bfloat16 tensor-core dots with float32 accumulation (FLA's form;
   the gate cumsum stays float32-exact) and 8 warps, the settings at which
   every kernel compiles for sm_90a within shared memory and spills at most
-  1 KB per thread (experiments/compile_check.py). TPU: float32
-  dots at HIGHEST (the kernels fit VMEM on v5e and v6e). CPU: interpret
+  1 KB per thread (experiments/compile_check.py). TPU: the "tpu" family
+  with bfloat16 dots and float32 accumulation (the gate cumsum exact, the
+  gate gradient's products at "bf16_3x"); set precision="highest" for IEEE
+  float32 throughout. CPU: interpret
   mode with IEEE float32 dots, the form the tests check against the
   reference.
 
@@ -106,7 +164,7 @@ def for_platform(platform):
   if platform == "gpu":
     return KernelOptions(num_warps=8, num_stages=1, precision="bf16")
   if platform == "tpu":
-    return KernelOptions(precision="highest", recurrence="grid")
+    return KernelOptions(family="tpu", precision="bf16", recurrence="grid")
   if platform == "cpu":
     return KernelOptions(precision="highest", k_block=16, interpret=True)
   raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}.")
