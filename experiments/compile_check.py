@@ -78,8 +78,10 @@ _FULL = flags.DEFINE_bool("full", True, "Also compile the whole forward and "
                           "gradient and the ling3_tiny training step.")
 _PROGRAMS = flags.DEFINE_list(
     "programs", ["forward:segments", "gradient:segments", "forward:none",
-                 "gradient:none"],
-    "Whole programs compiled with --full (what:segments|none).")
+                 "gradient:none", "forward:segments:bounded",
+                 "gradient:segments:bounded"],
+    "Whole programs compiled with --full (what:segments|none, and "
+    "':bounded' for the bounded gate).")
 _TRAIN_STEP = flags.DEFINE_bool(
     "train_step", True, "With --full, also compile one ling3_tiny training "
     "step for each GPU target (the slowest program: minutes).")
@@ -155,14 +157,17 @@ def _abstract(mesh, segments=True):
   return params, (S((b, t), jnp.int32) if segments else None)
 
 
-def _kda(params, seg, opts):
+def _kda(params, seg, opts, bounded=False):
+  """The op with the in-kernel gate: unbounded (softplus: the generic
+  kernels) or `bounded` (lower_bound -5: on TPU the "tpu" family)."""
+  bound = dict(lower_bound=-5.0, safe_gate=True) if bounded else {}
   return chunk_kda(**params, segment_ids=seg, output_final_state=True,
                    use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
-                   impl="pallas", pallas_options=opts)
+                   impl="pallas", pallas_options=opts, **bound)
 
 
-def _loss(params, seg, opts):
-  o, state = _kda(params, seg, opts)
+def _loss(params, seg, opts, bounded=False):
+  o, state = _kda(params, seg, opts, bounded)
   return jnp.sum(o.astype(jnp.float32)) + jnp.sum(state)
 
 
@@ -183,13 +188,17 @@ def kernel_calls(platform, opts, mesh):
   """{name: (fn, abstract args, eqn)}: each pallas_call of the forward and
   the gradient lowered for `platform` ("gpu" or "tpu"), alone."""
   params, seg = _abstract(mesh)
-  jaxpr = jax.make_jaxpr(jax.grad(_loss), static_argnums=2)(
-      params, seg, opts)
-  fwd = jax.make_jaxpr(_kda, static_argnums=2)(params, seg, opts)
+  eqns = []
+  for bounded in (False, True):
+    jaxpr = jax.make_jaxpr(jax.grad(_loss), static_argnums=(2, 3))(
+        params, seg, opts, bounded)
+    fwd = jax.make_jaxpr(_kda, static_argnums=(2, 3))(params, seg, opts,
+                                                      bounded)
+    eqns += _pallas_eqns(jaxpr.jaxpr, []) + _pallas_eqns(fwd.jaxpr, [])
   module = "triton" if platform == "gpu" else "mosaic"
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   calls = {}
-  for eqn in _pallas_eqns(jaxpr.jaxpr, []) + _pallas_eqns(fwd.jaxpr, []):
+  for eqn in eqns:
     if module not in type(eqn.params["compiler_params"]).__module__:
       continue
     name = eqn.params["name"] or "kernel"
@@ -324,13 +333,17 @@ def check_programs(target):
   rows = []
   fns = {"forward": _kda, "gradient": jax.grad(_loss)}
   for program in _PROGRAMS.value:
-    what, segs = program.split(":")
+    what, segs, *bound = program.split(":")
     segments = segs == "segments"
+    bounded = bound == ["bounded"]
     params, seg = _abstract(mesh, segments)
     seconds, _, _, error = compile_once(
-        functools.partial(fns[what], opts=opts), (params, seg), platform)
-    row = Row(target, f"{what} ({'segments' if segments else 'no segs'})",
-              seconds=seconds, problems=[error] if error else [])
+        functools.partial(fns[what], opts=opts, bounded=bounded),
+        (params, seg), platform)
+    gate = ", bounded gate" if bounded else ""
+    row = Row(target, f"{what} ({'segments' if segments else 'no segs'}"
+              f"{gate})", seconds=seconds,
+              problems=[error] if error else [])
     print(_format(row), flush=True)
     rows.append(row)
   return rows

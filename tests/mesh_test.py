@@ -41,20 +41,23 @@ def abstract_mesh(data, fsdp, context, expert=1):
                                    sharding.AXES, axis_types=(AUTO,) * 4)
 
 
-def placements(jaxpr, inside=False, out=None):
+def placements(jaxpr, inside=False, out=None, kernels=None):
   """(primitive, inside a shard_map) for every pallas_call, sort and
-  all_to_all."""
+  all_to_all; with a list `kernels`, also appends each pallas_call's
+  name to it."""
   out = [] if out is None else out
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     if name in ("pallas_call", "sort", "all_to_all"):
       out.append((name, inside))
+    if name == "pallas_call" and kernels is not None:
+      kernels.append(eqn.params["name"])
     for value in eqn.params.values():
       for sub in value if isinstance(value, (list, tuple)) else [value]:
         if isinstance(sub, jax.extend.core.ClosedJaxpr):
           sub = sub.jaxpr
         if isinstance(sub, jax.extend.core.Jaxpr):
-          placements(sub, inside or name == "shard_map", out)
+          placements(sub, inside or name == "shard_map", out, kernels)
   return out
 
 
@@ -95,6 +98,21 @@ def test_kernels_and_sorts_run_inside_shard_map(shape):
   assert found[("pallas_call", True)] >= 3 * 2 + 3 * 3, found
   assert found[("sort", True)] == (6 if expert else 3), found
   assert found[("all_to_all", True)] == (3 * 5 if expert else 0), found
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 1), (2, 2, 1), (1, 2, 2)])
+def test_tpu_kernels_run_inside_shard_map(shape, monkeypatch):
+  """Traced as on a TPU (JAX's default backend read as "tpu": the "tpu"
+  kernel family for the bounded gate, megablox for the experts): each KDA
+  layer's two TPU kernels, and every other kernel, inside shard_map."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  kernels = []
+  found = collections.Counter(placements(
+      traced_step("auto", "auto")(abstract_mesh(*shape)), kernels=kernels))
+  assert found[("pallas_call", False)] == 0, found
+  names = collections.Counter(kernels)
+  assert names["kda_tpu_forward"] == 3 and names["kda_tpu_backward"] == 3, (
+      names)
 
 
 def test_xla_paths_sort_inside_shard_map():
