@@ -95,7 +95,8 @@ def kda_program(impl, options, backward):
 def splash_program(B, T, H, backward, block):
   """jit of causal splash attention with segment ids ([B,H,T,D] inputs),
   with `block`-sized tiles everywhere, or its default tiles (None)."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu.splash_attention import (
       splash_attention_kernel as sk, splash_attention_mask as sm)
   sizes = None
   if block:

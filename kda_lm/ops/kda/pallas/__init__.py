@@ -1,9 +1,16 @@
-"""Chunked KDA as Pallas kernels: one source for TPU (Mosaic) and GPU (Triton).
+"""Chunked KDA as Pallas kernels, in two families (`KernelOptions.family`).
 
-Modules: `options` (`KernelOptions`, per-platform defaults), `helpers`
-(in-kernel ops, recurrence drivers), `chunk` (per-chunk math shared by
-forward and backward), `forward` and `backward` (the kernels), `calls`
-(pallas_calls, `jax.custom_vjp`, `kda_pallas`).
+The "tpu" family (`tpu`: the pallas_calls and their `jax.custom_vjp`;
+`tpu_chunk`: the per-chunk math on 2-D values) is written for a TPU core:
+one forward and one backward kernel, several heads per program, the
+bounded gate only. `calls.kda_pallas` sends every other case to the
+"generic" family, described below: one source for TPU (Mosaic) and GPU
+(Triton).
+
+Modules of the generic family: `options` (`KernelOptions`, per-platform
+defaults, shared), `helpers` (in-kernel ops, recurrence drivers), `chunk`
+(per-chunk math shared by forward and backward), `forward` and `backward`
+(the kernels), `calls` (pallas_calls, `jax.custom_vjp`, `kda_pallas`).
 
 The math is the chunked WY/UT form of `xla.py` (derived in docs/kda.md),
 split into kernels as FLA's chunk_kda does:

@@ -1,10 +1,12 @@
-"""Per-chunk KDA math of the TPU kernels, on 2-D values (one head, one chunk).
+"""Per-chunk KDA math of the TPU kernels, on 2-D values.
 
-The TPU kernels (`tpu.py`) run these functions on values loaded from VMEM;
-they are plain `jax.numpy` on 2-D arrays, so the tests can also run them
-directly. Written for Mosaic: masks from 2-D iotas, static slices at
-multiples of 8 rows (plus single rows), no cumsum (a 0/1 matmul), columns
-made from rows with an identity mask, transposed operands through
+The TPU kernels (`tpu.py`) run `chunk_forward` and `chunk_backward` on the
+values of one chunk of several heads loaded from VMEM: per-head math, with
+the triangular inverses of a group of heads in one block-diagonal matrix.
+They are plain `jax.numpy` on 2-D arrays (interpret mode runs them on
+CPU), written for Mosaic: masks from 2-D iotas, static slices at multiples
+of 8 rows (plus single rows), no cumsum (a 0/1 matmul), columns made from
+rows with an identity mask, transposed operands through
 `dot_general` contractions.
 
 Shape glossary: C chunk (64 rows), c sub-block (16 rows), nb = C/c, K key
@@ -23,7 +25,8 @@ below by -5, padding rows all zero):
            safe); masked to same-segment pairs s <= r (Aqk), s < r (Akk)
   P      = (I + beta Akk)^-1 by blocked doubling: X = I - M at block size 2,
            then X <- X - X (M_b X) with M_b the coupling of the halves of
-           each 2b-block, up to b = C/2 (exact block algebra, no series)
+           each 2b-block, up to b = C/2 (exact block algebra, no series);
+           a group of heads shares block-diagonal matrices
   w, u   = P [beta k F | beta v]      F = exp(G) on the first segment
   v_new  = u - w S
   o      = (q F) S + Aqk v_new
@@ -31,7 +34,17 @@ below by -5, padding rows all zero):
                                       segment, Dv = exp(G_last) if the chunk
                                       holds no reset
 The backward (`chunk_backward`) takes the forward's P and S and the
-cotangent dS' of the state leaving the chunk; derivation in docs/kda.md.
+cotangent dS' of the state leaving the chunk:
+
+  dv_new = Aqk^T do + (k E) dS'
+  dS     = Dv dS' + (q F)^T do - w^T dv_new     (the reverse recurrence)
+  [dX | dY] = P^T [-dv_new S^T | dv_new]
+  dM     = -(dX w^T + dY u^T), strictly lower, same segment
+           (from dM = -P^T dP P^T with [w|u] = P [X|Y])
+  dAqk   = mask(do v_new^T),  dAkk = beta dM,
+  dbeta  = rowsum(dM Akk) + rowsum(dX k F) + rowsum(dY v)
+and the cotangents of the decayed products, F, E and Dv go back to the
+gates through the transposed cumsum masks.
 
 Every exponent is masked before `exp`, and G and L are masked sums of one
 segment's gates, so changing one document never changes another's values.
