@@ -69,3 +69,29 @@ def test_bad_files_are_named(tmp_path):
     safetensors_io.weight_map(str(tmp_path))
   with pytest.raises(ValueError, match="max_shard_size"):
     safetensors_io.parse_size("5 parsecs")
+
+
+def test_shards_respect_max_shard_size_and_fill_up(tmp_path):
+  """Every shard holds at most `max_shard_size` bytes of tensors, unless it
+  holds one larger tensor alone; shards fill greedily (the next shard's
+  first tensor did not fit), with a shard of exactly the limit kept
+  whole (40 + 60 = 100 bytes)."""
+  sizes = [40, 60, 24, 120, 8, 8, 8, 80, 12, 100, 4]   # bytes, float32
+  tensors = [(f"t{i:02d}", np.full(n // 4, i, np.float32))
+             for i, n in enumerate(sizes)]
+  files = safetensors_io.write(str(tmp_path), iter(tensors),
+                               max_shard_size=100)
+  shards = sorted(f for f in files if f != safetensors_io.INDEX)
+  held = []
+  for name in shards:
+    header, _ = safetensors_io.read_header(os.path.join(tmp_path, name))
+    held.append(sorted((k, v["data_offsets"][1] - v["data_offsets"][0])
+                       for k, v in header.items() if k != "__metadata__"))
+  for shard in held:
+    total = sum(n for _, n in shard)
+    assert total <= 100 or len(shard) == 1, shard
+  for shard, following in zip(held, held[1:]):
+    assert sum(n for _, n in shard) + following[0][1] > 100, (shard,
+                                                             following)
+  assert held[0] == [("t00", 40), ("t01", 60)]
+  assert [k for shard in held for k, _ in shard] == [k for k, _ in tensors]

@@ -1,9 +1,11 @@
 """Tests of kda_lm/stack.py: the scanned layer group, the parameter layouts
 and the rematerialisation policies."""
 
+import collections
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import model_test
 import numpy as np
@@ -206,3 +208,36 @@ def test_checkpoint_of_the_other_layout_names_the_way_out():
                      r"--config.model.scan_layers=False.*to_layout"):
     compat.check_compatible(abstract(params),
                             abstract(stack.to_scanned(params, SCANNED)))
+
+
+def _checkpoints(jaxpr, in_scan=False, out=None):
+  """(prevent_cse, inside a scan) of every rematerialised call."""
+  out = [] if out is None else out
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in ("checkpoint", "remat", "remat2"):
+      out.append((eqn.params["prevent_cse"], in_scan))
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          sub = sub.jaxpr
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          _checkpoints(sub, in_scan or name == "scan", out)
+  return out
+
+
+@pytest.mark.parametrize("cfg,want", [
+    (SCANNED, {(True, False): 2, (False, True): 2}),
+    (UNSCANNED, {(True, False): 8}),
+])
+def test_remat_prevents_cse_outside_a_scan_only(cfg, want):
+  """JAX's advice for `jax.checkpoint`: `prevent_cse` on outside a scan
+  (else XLA may merge the recomputation with the forward and keep the
+  activations after all), off inside one (the scan already keeps them
+  apart, and the barriers only cost). The dense layers 0-1 are outside the
+  scan, the repeated group's two slots inside."""
+  tokens, seg = _batch(0)
+  m = model.build(cfg, remat="full")
+  params = jax.eval_shape(m.init, jax.random.key(1), tokens, seg)
+  jaxpr = jax.make_jaxpr(m.apply)(params, tokens, seg).jaxpr
+  assert collections.Counter(_checkpoints(jaxpr)) == want

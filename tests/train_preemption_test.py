@@ -63,16 +63,21 @@ def test_save_clock_fires_every_interval():
 def test_the_loop_saves_the_signalled_step_synchronously_and_stops(
     monkeypatch):
   """A signal seen after step 5 of 20: step 5's row is logged, its
-  checkpoint written synchronously, no later step runs."""
+  checkpoint written synchronously, no later step runs, and step 5 is not
+  evaluated (the grace period goes to the save), although the loop treats
+  it as the last step and evaluates every 4 steps and at the last."""
   clock = loop_test._Clock()  # pylint: disable=protected-access
   monkeypatch.setattr(metrics, "time", clock)
   run = loop_test._LoopRun(clock, num_steps=20, log_every=4,  # pylint: disable=protected-access
                            ckpt_every=4)
+  run.cfg.eval.every_steps, run.eval_batches, evaluated = 4, [], []
+  run.evaluate = lambda step, state: evaluated.append(step) or False
   monkeypatch.setattr(run.preemption, "reached", lambda step: step == 5)
   with pytest.raises(preemption.Preempted, match="stopped at step 5"):
     train_loop._train_loop(run, 0)  # pylint: disable=protected-access
   assert run.checkpoints == [4, (5, "wait")]
   assert [step for step, _ in run.rows] == [4, 5]
+  assert evaluated == [4]
 
 
 def test_time_based_checkpoints_fire_at_log_steps(monkeypatch):
