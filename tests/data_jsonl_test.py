@@ -254,3 +254,19 @@ def test_bad_files_and_globs(tmp_path):
   for config, message in cases:
     with pytest.raises(ValueError, match=message):
       _documents(config, data_dir)
+
+
+def test_double_star_globs_recurse_into_nested_folders(tmp_path):
+  """`**` matches the folder itself and every folder below it (Python's
+  recursive glob); each glob's files sorted, globs in order, no repeats."""
+  for rel in ("a.jsonl", "x/b.jsonl", "x/y/c.jsonl", "x/y/z/d.jsonl",
+              "x/y/skip.txt"):
+    path = tmp_path / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"text": "t"}\n')
+  got = records.match_files(f"{tmp_path}/**/*.jsonl,{tmp_path}/x/b.jsonl",
+                            "files", None)
+  assert [p[len(str(tmp_path)) + 1:] for p in got] == [
+      "a.jsonl", "x/b.jsonl", "x/y/c.jsonl", "x/y/z/d.jsonl"]
+  got = records.match_files(f"{tmp_path}/x/**/c.jsonl", "files", None)
+  assert [p[len(str(tmp_path)) + 1:] for p in got] == ["x/y/c.jsonl"]

@@ -83,6 +83,10 @@ def test_bad_rows_and_files(tmp_path):
       (_write(tmp_path / "bytes.parquet", [g.encode() for g in good[:5]]
               + [b"caf\xe9"] + [g.encode() for g in good[5:]]),
        "bytes.parquet, row 5: the text is not valid UTF-8", "not_utf8"),
+      # Row groups of 7 rows: row 17 is row 3 of the third group, so a
+      # number counted from the group's start would read "row 3".
+      (_write(tmp_path / "late.parquet", good[:17] + [None] + good[17:]),
+       "late.parquet, row 17: no text field 'text'", "missing_field"),
   ]
   for path, message, kind in rows:
     config = _config(path, validation_percent=1)
