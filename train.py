@@ -41,9 +41,14 @@ def main(argv):
   # Before anything can touch a JAX backend (config checks included).
   distributed.initialize(_CONFIG.value.get("mesh"))
   # pylint: disable=g-import-not-at-top
+  from kda_lm.checkpoint import manager as manager_lib
   from kda_lm.train import loop as train_loop
   from kda_lm.train import metrics, preemption
   metrics.quiet_library_logs()
+  if logging.get_verbosity() <= logging.INFO:
+    sys.stderr = noise = metrics.NoiseFilter(sys.stderr)
+  else:
+    noise = None
   workdir = _WORKDIR.value or _default_workdir(
       config_flags.get_config_filename(flags.FLAGS["config"]))
   logging.info("Config:\n%s", _CONFIG.value)
@@ -53,6 +58,17 @@ def main(argv):
     logging.warning("%s", stopped)
     distributed.shutdown()
     sys.exit(preemption.PREEMPTED_EXIT)
+  except manager_lib.CheckpointSaveError as failed:
+    # One block, then out at once: the interpreter's shutdown would print
+    # the abandoned writes' unfinished coroutines.
+    logging.error("%s", failed)
+    if noise is not None and noise.dropped:
+      logging.info("(%d tracebacks of the abandoned writes hidden; "
+                   "--verbosity=1 shows them.)", noise.dropped)
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(manager_lib.SAVE_FAILED_EXIT)  # pylint: disable=protected-access
   # After a successful run only: after a failure the other processes may
   # never reach the barrier, and JAX's own exit handler disconnects.
   distributed.shutdown()

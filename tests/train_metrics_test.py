@@ -3,6 +3,7 @@ window of steps behind each logged row."""
 
 # pylint: disable=protected-access
 
+import io
 import logging
 import os
 import sys
@@ -538,3 +539,33 @@ def test_window_of_steps_without_tokens(monkeypatch):
   clock.now += 3.0
   window.fetch()
   assert window.row()["tokens_per_s"] == 0.0
+
+
+def test_noise_filter_drops_only_the_abandoned_writes_tracebacks():
+  """The two forms an abandoned Orbax save prints are dropped and counted;
+  other lines and tracebacks pass through whole, even when written in
+  pieces."""
+  out = io.StringIO()
+  noise = metrics.NoiseFilter(out)
+  closed = ("Traceback (most recent call last):\n"
+            '  File "base_events.py", line 806, in call_soon_threadsafe\n'
+            "    self._check_closed()\n"
+            "RuntimeError: Event loop is closed\n")
+  ignored = ("Exception ignored in: <coroutine object async_serialize_from_"
+             "host.<locals>.write_fragment at 0x7f>\n"
+             "Traceback (most recent call last):\n"
+             '  File "limits.py", line 72, in release_bytes\n'
+             "ImportError: sys.meta_path is None, Python is likely shutting "
+             "down\n")
+  real = ("Traceback (most recent call last):\n"
+          '  File "train.py", line 62, in <module>\n'
+          "ValueError: a real error\n")
+  text = ("I1206 a log line\n" + closed + real + ignored + closed
+          + "Exception ignored in: <function f at 0x1>\nplain\n")
+  for i in range(0, len(text), 7):            # written in small pieces
+    noise.write(text[i:i + 7])
+  noise.flush()
+  assert noise.dropped == 3
+  assert out.getvalue() == ("I1206 a log line\n" + real
+                            + "Exception ignored in: <function f at 0x1>\n"
+                              "plain\n")

@@ -60,6 +60,17 @@ CONFIG_ITEM = "config"
 _TMP_PATTERN = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 
 
+# Exit status of a run stopped because a checkpoint could not be written
+# (EX_IOERR of sysexits.h).
+SAVE_FAILED_EXIT = 74
+# How long a failed save's partial directory may keep changing (the writes
+# Orbax had in flight finish or fail) before it is removed anyway.
+_SETTLE_S, _SETTLE_MAX_S = 0.5, 30.0
+# tensorstore's JSON spec, appended to its errors: thousands of characters
+# that say nothing about the failure.
+_TS_SPEC = re.compile(r"\s*\[tensorstore_spec='.*?'\]", re.S)
+
+
 class CheckpointSaveError(OSError):
   """An asynchronous checkpoint save failed."""
 
@@ -110,6 +121,7 @@ class CheckpointManager:
         },
     )
     self._saving: int | None = None
+    self._failed: CheckpointSaveError | None = None
 
   def _warn_about_partial_saves(self) -> None:
     if not os.path.isdir(self.directory):
@@ -167,7 +179,7 @@ class CheckpointManager:
       saved = self._manager.save(step, args=ocp.args.Composite(**items),
                                  force=True)
     except Exception as e:  # pylint: disable=broad-exception-caught
-      raise self._save_error(step, e) from e
+      raise self._fail(step, e) from e
     logging.info("Saving checkpoint of step %d to %s (%.2f s blocking).",
                  step, self.directory, time.time() - start)
     if saved:
@@ -185,10 +197,7 @@ class CheckpointManager:
     last, free = self.latest_step(), self._free_bytes()
     if last is None or free is None:
       return
-    size = sum(os.path.getsize(os.path.join(root, name))
-               for root, _, names in os.walk(
-                   os.path.join(self.directory, str(last)))
-               for name in names)
+    size = self._step_bytes(last)
     if free < size:
       logging.warning(
           "Only %.1f MiB free in %s, and the checkpoint of step %d took "
@@ -198,29 +207,92 @@ class CheckpointManager:
 
   def _save_error(self, step: int | None, error: BaseException
                   ) -> CheckpointSaveError:
+    """The one message of a failed save: cause, room, what is intact."""
     cause = _root_cause(error)
     where = self.directory if step is None else os.path.join(
         self.directory, str(step))
     free = self._free_bytes()
     room = "" if free is None else f" ({free / 2**20:.1f} MiB free)"
+    steps = self.all_steps()
+    need = self._step_bytes(steps[-1]) if steps else 0
+    resume = (f"; a checkpoint takes {need / 2**20:.1f} MiB: free that, "
+              f"and the same command resumes from step {steps[-1]}"
+              if steps else "")
+    detail = _TS_SPEC.sub("", str(cause))
     return CheckpointSaveError(
         f"Saving the checkpoint {where} failed: {type(cause).__name__}: "
-        f"{cause}{room}. Training stopped; the last complete checkpoint in "
-        f"{self.directory} is intact (steps {self.all_steps()}).")
+        f"{detail}{room}. Training stopped; the last complete checkpoint in "
+        f"{self.directory} is intact (steps {steps}){resume}.")
+
+  def _step_bytes(self, step: int) -> int:
+    return sum(os.path.getsize(os.path.join(root, name))
+               for root, _, names in os.walk(
+                   os.path.join(self.directory, str(step)))
+               for name in names)
+
+  def _fail(self, step: int | None, error: BaseException
+            ) -> CheckpointSaveError:
+    """Records a failed save: its partial directory is removed once the
+    writes Orbax had in flight are over, and `close` will not wait on it
+    again. Returns the error to raise."""
+    if self._failed is None:
+      self._discard_partial()
+      self._failed = self._save_error(step, error)
+      self._saving = None
+    return self._failed
+
+  def _partial_dirs(self) -> list[str]:
+    if not os.path.isdir(self.directory):
+      return []
+    return [os.path.join(self.directory, name)
+            for name in sorted(os.listdir(self.directory))
+            if _TMP_PATTERN.match(name)]
+
+  def _discard_partial(self) -> None:
+    """Waits until the partial directories stop changing (bounded), then
+    removes them (process 0)."""
+    def size():
+      total = 0
+      for path in self._partial_dirs():
+        for root, _, names in os.walk(path):
+          for name in names:
+            try:
+              total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+              pass
+      return total
+
+    deadline = time.time() + _SETTLE_MAX_S
+    last = size()
+    while time.time() < deadline:
+      time.sleep(_SETTLE_S)
+      now = size()
+      if now == last:
+        break
+      last = now
+    if jax.process_index() != 0:
+      return
+    for path in self._partial_dirs():
+      shutil.rmtree(path, ignore_errors=True)
+      logging.info("Removed the partial checkpoint %s.", path)
 
   def check_for_errors(self) -> None:
     """Raises `CheckpointSaveError` if a background save has failed."""
+    if self._failed is not None:
+      raise self._failed
     try:
       self._manager.check_for_errors()
     except Exception as e:  # pylint: disable=broad-exception-caught
-      raise self._save_error(self._saving, e) from e
+      raise self._fail(self._saving, e) from e
 
   def _finish_pending(self) -> None:
     """Waits for the pending save and writes its manifest (process 0)."""
+    if self._failed is not None:
+      raise self._failed
     try:
       self._manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-exception-caught
-      raise self._save_error(self._saving, e) from e
+      raise self._fail(self._saving, e) from e
     step, self._saving = self._saving, None
     if step is None or jax.process_index() != 0:
       return
@@ -348,8 +420,14 @@ class CheckpointManager:
     self._finish_pending()
 
   def close(self) -> None:
-    """Waits for pending saves and releases the manager."""
+    """Waits for pending saves and releases the manager. After a failed
+    save (already raised) it only releases the manager."""
     try:
-      self._finish_pending()
+      if self._failed is None:
+        self._finish_pending()
     finally:
-      self._manager.close()
+      try:
+        self._manager.close()
+      except Exception:  # pylint: disable=broad-exception-caught
+        if self._failed is None:
+          raise

@@ -8,7 +8,8 @@ event files (tensorboardX) under `<workdir>/tensorboard`. Only process 0
 writes; other processes get a writer that does nothing.
 
 `quiet_library_logs` keeps the run's log readable: it drops the INFO lines
-of Orbax, TF, TFDS and JAX.
+of Orbax, TF, TFDS and JAX. `NoiseFilter` drops from stderr the tracebacks
+Orbax's abandoned writes print after a failed save.
 
 `Progress` shows a tqdm bar with the latest loss, accuracy and tokens/s when
 stderr is a terminal, and plain absl log lines otherwise.
@@ -65,6 +66,61 @@ def quiet_library_logs() -> None:
   logger = logging.get_absl_logger()
   if not any(isinstance(f, _LibraryInfoFilter) for f in logger.filters):
     logger.addFilter(_LibraryInfoFilter())
+
+
+class NoiseFilter:
+  """A stderr wrapper that drops the tracebacks of a failed save's writes.
+
+  When a checkpoint write fails (a full disk), Orbax's other writes of that
+  save are abandoned: their completion callbacks find the save's event
+  loop closed ("RuntimeError: Event loop is closed") and their coroutines
+  are collected unfinished at exit ("Exception ignored in: <coroutine ..."),
+  hundreds of tracebacks around the one error that matters. Those two forms
+  are dropped (and counted); every other line and traceback passes
+  through, a traceback once it is complete.
+  """
+
+  _STARTS = ("Traceback (most recent call last):",
+             "Exception ignored in: <coroutine")
+
+  def __init__(self, stream):
+    self.stream = stream
+    self.dropped = 0
+    self._partial = ""
+    self._block = None
+
+  def write(self, text: str) -> int:
+    self._partial += text
+    while "\n" in self._partial:
+      line, self._partial = self._partial.split("\n", 1)
+      self._line(line + "\n")
+    return len(text)
+
+  def _line(self, line: str) -> None:
+    if self._block is None:
+      if line.startswith(self._STARTS):
+        self._block = [line]
+      else:
+        self.stream.write(line)
+      return
+    self._block.append(line)
+    if line[:1] in (" ", "\t", "\n") or line.startswith(self._STARTS[0]):
+      return                       # frames, or the traceback that follows
+    block, self._block = "".join(self._block), None
+    if block.startswith(self._STARTS[1]) or line.startswith(
+        "RuntimeError: Event loop is closed"):
+      self.dropped += 1
+    else:
+      self.stream.write(block)
+
+  def flush(self) -> None:
+    if self._block is not None:
+      self.stream.write("".join(self._block))
+      self._block = None
+    self.stream.flush()
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self.stream, name)
 
 
 def _clean(value: Any) -> Any:
