@@ -43,10 +43,10 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 
 from configs import ling3_tiny
 from kda_lm import config as config_lib
+from kda_lm import flops
 from kda_lm import model as model_lib
 
 SIZES = ("tiny", "flash")
@@ -117,37 +117,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
 
 def count_params(model_config: Any) -> dict[str, int]:
-  """Total / activated / MTP parameters from `jax.eval_shape` (no memory).
-
-  Args:
-    model_config: a `model` dict.
-
-  Returns:
-    `total` (main model), `activated` (see the module docstring), `mtp`
-    (all MTP-layer parameters) and `mtp_activated`.
-  """
-  cfg = config_lib.ModelConfig.from_config(model_config)
-  params = model_lib.abstract_params(model_config, seq_len=1)
-  E, k = cfg.num_experts, cfg.num_experts_per_tok
-  out = dict(total=0, activated=0, mtp=0, mtp_activated=0)
-  for module, name, p in _traverse(params):
-    n = int(np.prod(p.shape))
-    active = n
-    if module == "embed":
-      active = 0
-    elif module.endswith("/moe") and name in ("gate_proj", "up_proj",
-                                              "down_proj"):
-      active = n // E * k
-    prefix = "mtp" if module.startswith("mtp_") else None
-    out[f"{prefix}" if prefix else "total"] += n
-    out[f"{prefix}_activated" if prefix else "activated"] += active
-  return out
-
-
-def _traverse(params):
-  for module, entries in params.items():
-    for name, p in entries.items():
-      yield module, name, p
+  """Total / activated / MTP parameters (`kda_lm.flops.count_params`)."""
+  return flops.count_params(model_config)
 
 
 def _main() -> None:

@@ -57,11 +57,10 @@ import numpy as np  # noqa: E402
 from configs import ling3  # noqa: E402
 from experiments import compile_report, hlo_flops  # noqa: E402
 import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
-from kda_lm import config as config_lib  # noqa: E402
+from kda_lm import flops  # noqa: E402
 from kda_lm import model as model_lib  # noqa: E402
 from kda_lm import optimizer  # noqa: E402
 from kda_lm.checkpoint import state as state_lib
-from kda_lm.ops.kda import api as kda_api  # noqa: E402
 from kda_lm.parallel import sharding
 from kda_lm.train import step as step_lib
 
@@ -156,21 +155,8 @@ def model_config(layers, model="tiny"):
 
 
 def analytic_flops(m, B, T):
-  """Training FLOPs of one step (all devices): matmuls, MLA, KDA core."""
-  cfg = config_lib.ModelConfig.from_config(m)
-  activated = ling3.count_params(m)["activated"]
-  matmul = 6.0 * activated * B * T
-  pairs = B * T * (T + 1) / 2.0                 # causal query-key pairs
-  mla_layers = cfg.attention_pattern.count("M")
-  mla = 3.0 * mla_layers * pairs * 2 * cfg.mla_num_heads * (
-      cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
-  H, K, V = cfg.num_heads, cfg.head_dim, cfg.kda_head_v_dim
-  C = kda_api.default_chunk_size("pallas")
-  # Per token and head: q k^T and k k^T over the chunk (causal half), the
-  # intra-chunk outputs, and the q S, k S and k^T v state products.
-  kda_token = 2 * (C / 2) * K * 2 + 2 * (C / 2) * V + 3 * 2 * K * V
-  kda = 3.0 * cfg.attention_pattern.count("K") * B * T * H * kda_token
-  return matmul + mla + kda
+  """Training FLOPs of one step (all devices): `kda_lm.flops.step_flops`."""
+  return flops.step_flops(m, B, T)
 
 
 @contextlib.contextmanager

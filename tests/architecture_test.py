@@ -12,6 +12,7 @@ RANKS = {
     "kda_lm.layers": 3,
     "kda_lm.config": 4, "kda_lm.stack": 4.5,
     "kda_lm.model": 5, "kda_lm.losses": 5, "kda_lm.optimizer": 5,
+    "kda_lm.flops": 5.5,
     "data": 6,
     "kda_lm.checkpoint": 7,
     "kda_lm.train": 8, "kda_lm.infer": 8, "kda_lm.hf": 8,

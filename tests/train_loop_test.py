@@ -394,7 +394,8 @@ class _LoopRun:
     rng = np.random.default_rng(0)
     self.train_it = iter(lambda: _table_batch(rng, 11, 2, 4, 8), None)
     self.steps = types.SimpleNamespace(
-        update=self.update, batch_sharding=_one_device_sharding())
+        update=self.update, batch_sharding=_one_device_sharding(),
+        flops_per_token=0.0)
     self.output = types.SimpleNamespace(
         train_row=self.log_row,
         writer=types.SimpleNamespace(flush=lambda: None))

@@ -569,3 +569,29 @@ def test_noise_filter_drops_only_the_abandoned_writes_tracebacks():
   assert out.getvalue() == ("I1206 a log line\n" + real
                             + "Exception ignored in: <function f at 0x1>\n"
                               "plain\n")
+
+
+def test_window_rows_carry_tflops_per_device_and_mfu(monkeypatch):
+  """tokens/s x analytic FLOPs per token / devices, and its share of the
+  devices' peak; without a known peak (a CPU) no `mfu`."""
+  clock = FakeClock()
+  monkeypatch.setattr(metrics, "time", clock)
+  window = metrics.Window(tokens_per_step=1000, flops_per_token=6e9,
+                          devices=4, peak_flops=5e12)
+  window.add(1, step_metrics(1))
+  clock.now += 30.0
+  window.time_first_step()
+  window.add(2, step_metrics(2))
+  clock.now += 2.0
+  window.fetch()
+  row = window.row()
+  assert row["tokens_per_s"] == pytest.approx(500.0)
+  assert row["tflops_per_device"] == pytest.approx(500 * 6e9 / 4 / 1e12)
+  assert row["mfu"] == pytest.approx(500 * 6e9 / 4 / 5e12)
+  assert "mfu=15.0%" in metrics._format(row, metrics._TRAIN_KEYS)  # pylint: disable=protected-access
+  plain = metrics.Window(tokens_per_step=10, flops_per_token=1e6)
+  plain.add(1, step_metrics(1))
+  clock.now += 1.0
+  plain.time_first_step()
+  plain.fetch()
+  assert "mfu" not in plain.row() and "tflops_per_device" in plain.row()

@@ -48,7 +48,7 @@ import numpy as np
 
 from data import pipeline
 from kda_lm import config as config_lib
-from kda_lm import losses, optimizer
+from kda_lm import flops, losses, optimizer
 from kda_lm import model as model_lib
 from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import state as state_lib
@@ -97,6 +97,7 @@ class Steps(NamedTuple):
   abstract: TrainState        # Shapes, dtypes and shardings of the state.
   batch_sharding: jax.sharding.NamedSharding
   rng: jax.Array              # The key `init` starts from.
+  flops_per_token: float      # Analytic training FLOPs (`flops.step_flops`).
 
 
 def build_steps(cfg: state_lib.RunConfig, mesh: jax.sharding.Mesh) -> Steps:
@@ -109,7 +110,10 @@ def build_steps(cfg: state_lib.RunConfig, mesh: jax.sharding.Mesh) -> Steps:
   shardings = state_lib.state_shardings(abstract, mesh)
   num_params = sum(int(np.prod(a.shape))
                    for a in jax.tree.leaves(abstract.params))
-  logging.info("Model: %s parameters; mesh %s.", f"{num_params:,}",
+  T = cfg.data.seq_len
+  flops_per_token = flops.step_flops(cfg.model, 1, T, abstract.params) / T
+  logging.info("Model: %s parameters, %.3g training FLOPs per token at "
+               "T=%d; mesh %s.", f"{num_params:,}", flops_per_token, T,
                dict(mesh.shape))
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = sharding.replicated(mesh)
@@ -134,7 +138,8 @@ def build_steps(cfg: state_lib.RunConfig, mesh: jax.sharding.Mesh) -> Steps:
           in_shardings=(shardings.params, batch_sharding),
           out_shardings=replicated)),
       abstract=sharding.with_shardings(abstract, shardings),
-      batch_sharding=batch_sharding, rng=rng)
+      batch_sharding=batch_sharding, rng=rng,
+      flops_per_token=flops_per_token)
 
 
 class _Output:
@@ -315,7 +320,11 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
   """Steps from the restored step to `train.num_steps` (or an early stop)."""
   cfg = run.cfg
   num_steps = cfg.train.num_steps
-  window = metrics_lib.Window(cfg.data.batch_size * cfg.data.seq_len)
+  window = metrics_lib.Window(
+      cfg.data.batch_size * cfg.data.seq_len,
+      flops_per_token=run.steps.flops_per_token,
+      devices=jax.device_count(),
+      peak_flops=flops.peak_flops(jax.devices()[0].device_kind))
   for step in range(run.start_step + 1, num_steps + 1):
     if run.manager is not None:
       run.manager.check_for_errors()   # A failed background save stops here.

@@ -2,7 +2,8 @@
 
 `MetricsWriter` appends one JSON object per logged step to
 `<workdir>/metrics.jsonl` (train rows: `step`, `loss`, `accuracy`,
-`grad_norm`, `lr`, `tokens_per_s`, ...; eval rows: `step`, `eval_loss`,
+`grad_norm`, `lr`, `tokens_per_s`, `tflops_per_device`, `mfu` (on devices
+with a known peak), ...; eval rows: `step`, `eval_loss`,
 `eval_accuracy`, ...) and optionally mirrors every scalar to TensorBoard
 event files (tensorboardX) under `<workdir>/tensorboard`. Only process 0
 writes; other processes get a writer that does nothing.
@@ -284,6 +285,10 @@ def _format(scalars: Mapping[str, Any], keys: Iterable[str]) -> str:
       value = scalars[key]
       if key == "tokens_per_s":
         parts.append(f"{key}={value:,.0f}")
+      elif key == "mfu":
+        parts.append(f"{key}={100 * value:.1f}%")
+      elif key == "tflops_per_device":
+        parts.append(f"tflops/dev={value:.2f}")
       elif key == "lr":
         parts.append(f"{key}={value:.2e}")
       else:
@@ -291,7 +296,8 @@ def _format(scalars: Mapping[str, Any], keys: Iterable[str]) -> str:
   return " ".join(parts)
 
 
-_TRAIN_KEYS = ("loss", "accuracy", "grad_norm", "lr", "tokens_per_s")
+_TRAIN_KEYS = ("loss", "accuracy", "grad_norm", "lr", "tokens_per_s",
+               "tflops_per_device", "mfu")
 _EVAL_KEYS = ("eval_loss", "eval_accuracy")
 
 
@@ -359,10 +365,19 @@ class Progress:
 
 
 class Window:
-  """Device metrics and token throughput of the steps since the last row."""
+  """Device metrics and token throughput of the steps since the last row.
 
-  def __init__(self, tokens_per_step: int):
+  With `flops_per_token` (the model's analytic training FLOPs per token,
+  `kda_lm.flops.step_flops`) a row also carries `tflops_per_device`, over
+  `devices` devices, and, given the devices' `peak_flops`, `mfu`.
+  """
+
+  def __init__(self, tokens_per_step: int, flops_per_token: float = 0.0,
+               devices: int = 1, peak_flops: float | None = None):
     self._tokens_per_step = tokens_per_step
+    self._flops_per_token = flops_per_token
+    self._devices = devices
+    self._peak = peak_flops
     self._pending: list[tuple[int, dict[str, jax.Array]]] = []
     self._fetched: list[dict[str, float]] = []
     self._first_tokens = 0
@@ -420,6 +435,12 @@ class Window:
       out["tokens_per_s"] = self._tokens / elapsed
     else:  # Only the first step, whose time includes compilation.
       out["tokens_per_s"] = self._first_tokens / max(self._first_s, 1e-9)
+    if self._flops_per_token:
+      per_device = (out["tokens_per_s"] * self._flops_per_token
+                    / self._devices)
+      out["tflops_per_device"] = per_device / 1e12
+      if self._peak:
+        out["mfu"] = per_device / self._peak
     return out
 
   @contextlib.contextmanager

@@ -304,9 +304,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
       the implementation and backend.
     impl: "auto", "reference" (token-by-token oracle), "xla" (chunked) or
       "pallas" (fused kernels; K, V <= 256, chunk_size 64; interpret mode
-      per `pallas_options`). "auto" (`resolve_impl`) is "pallas" on GPU
-      and, for the bounded gate (`lower_bound`), on TPU (falling back to
-      "xla" with a warning for unsupported shapes), else "xla".
+      per `pallas_options`). "auto": the fastest measured (`resolve_impl`;
+      unsupported shapes fall back to "xla" with a warning).
     pallas_options: `pallas.KernelOptions` for impl "pallas" (warps, stages,
       V block, dot precision, interpret mode); None =
       `pallas.default_options()`.
