@@ -426,6 +426,10 @@ class TrainConfig:
   stop_at_eval_accuracy: Optional[float] = None
   # Also write tensorboardX event files.
   tensorboard: bool = False
+  # JAX's persistent compilation cache, so that a rerun or a resume reads
+  # its compiled steps back: "workdir" (<workdir>/jax_cache), a folder, or
+  # "" (off). A cache folder set by JAX_COMPILATION_CACHE_DIR wins.
+  compilation_cache: str = "workdir"
   # Progress bar: None = on a terminal only, True/False = always/never.
   progress_bar: Optional[bool] = None
   # Resume even though model or data keys differ from the checkpoint's

@@ -378,6 +378,8 @@ class _LoopRun:
   metrics that take known (fake) times, log rows recorded."""
 
   check_finite = train_loop._Run.check_finite  # pylint: disable=protected-access
+  log_startup = train_loop._Run.log_startup  # pylint: disable=protected-access
+  phases = ()
 
   def __init__(self, clock, num_steps, log_every, ckpt_every):
     self.cfg = ml_collections.ConfigDict({
@@ -628,3 +630,15 @@ def test_failed_background_save_stops_with_one_line(tmp_path, data_dir,
   manager.close()
   state = train_loop.train_and_evaluate(config, workdir)
   assert int(state.step) == 6
+
+
+def test_compilation_cache_key_points_jax_at_the_workdir(tmp_path):
+  """"workdir" -> <workdir>/jax_cache; a folder; "" none; a folder already
+  configured (JAX_COMPILATION_CACHE_DIR) wins."""
+  wd = str(tmp_path)
+  assert train_loop.compilation_cache_dir("workdir", wd, None) == (
+      os.path.join(wd, "jax_cache"))
+  assert train_loop.compilation_cache_dir("~/c", wd, "") == (
+      os.path.expanduser("~/c"))
+  assert train_loop.compilation_cache_dir("", wd, None) is None
+  assert train_loop.compilation_cache_dir("workdir", wd, "/elsewhere") is None

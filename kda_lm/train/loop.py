@@ -43,10 +43,12 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 from absl import logging
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 import ml_collections
 import numpy as np
 
 from data import pipeline
+import kda_lm
 from kda_lm import config as config_lib
 from kda_lm import flops, losses, optimizer
 from kda_lm import model as model_lib
@@ -210,11 +212,16 @@ class _Run:
     logging.info("Workdir %s; %d devices (%s), %d processes.", workdir,
                  jax.device_count(), jax.devices()[0].platform,
                  jax.process_count())
+    # Start-up phases (name, seconds), logged once step 1 has run.
+    self.phases = [("imports and config", start_time - kda_lm.IMPORTED_AT)]
+    mark = time.time()
     mesh = sharding.make_mesh(cfg.mesh)
     sharding.check_batch_shape(mesh, cfg.data.batch_size, cfg.data.seq_len,
                                cfg.train.grad_accum_steps,
                                cfg.train.loss_chunks)
     self.steps = build_steps(cfg, mesh)
+    self.phases.append(("model", time.time() - mark))
+    mark = time.time()
     # Process 0 builds the TFDS data; the others then read it.
     with distributed.main_process_first("kda_lm: data built"):
       self.train_it = pipeline.make_train_iterator(cfg.data, workdir=workdir)
@@ -222,6 +229,8 @@ class _Run:
     if cfg.eval.every_steps > 0:
       self.eval_batches = pipeline.make_eval_iterator(
           cfg.data, workdir=workdir, num_batches=cfg.eval.num_batches)
+    self.phases.append(("data", time.time() - mark))
+    self.evaluated = False
     self.output = _Output(cfg, workdir, start_time, self.is_main)
     self.manager = None
     if cfg.checkpoint.enabled:
@@ -242,11 +251,24 @@ class _Run:
                  for k in ("loss", "grad_norm", "update_norm")):
         raise _non_finite_error(step, values, self.last_checkpoint)
 
+  def log_startup(self, first_step_s: float) -> None:
+    """One line: each start-up phase's seconds, up to the end of the
+    first step."""
+    phases = list(self.phases) + [("first step, compilation included",
+                                   first_step_s)]
+    logging.info("Start-up %.1f s: %s.", sum(s for _, s in phases),
+                 ", ".join(f"{name} {s:.1f} s" for name, s in phases))
+
   def evaluate(self, step: int, state: TrainState) -> bool:
     """Evaluates and logs; True when the run should stop here."""
+    start = time.time()
     row = step_lib.evaluate(
         self.steps.eval_step, state.params, iter(self.eval_batches),
         self.steps.batch_sharding, self.cfg.model.vocab_size)
+    if not self.evaluated:
+      self.evaluated = True
+      logging.info("The first eval took %.1f s (its compilation included).",
+                   time.time() - start)
     self.output.eval_row(step, row)
     self.best_eval = max(self.best_eval or 0.0, row["eval_accuracy"])
     stop_at = self.cfg.train.stop_at_eval_accuracy
@@ -290,6 +312,7 @@ def _restore_or_init(run: _Run) -> TrainState:
   """The newest complete checkpoint's state, else a fresh one; records the
   run's config and starts its output at the step it resumes from."""
   manager, changes, state = run.manager, [], None
+  mark = time.time()
   if manager:
     state = manager.restore(
         run.steps.abstract, run.train_it,
@@ -303,6 +326,8 @@ def _restore_or_init(run: _Run) -> TrainState:
       logging.info("No checkpoint in %s: starting from scratch.",
                    manager.directory)
     state = run.steps.init(run.steps.rng)
+  run.phases.append((f"state {'restored' if run.start_step else 'built'}",
+                     time.time() - mark))
   if run.is_main:
     workdir_lib.write_config(run.workdir, run.config_json,
                              step=run.start_step, changes=changes)
@@ -314,6 +339,29 @@ def _restore_or_init(run: _Run) -> TrainState:
   run.last_checkpoint = manager.latest_step() if manager else None
   run.output.start(num_steps, run.start_step)
   return state
+
+
+def compilation_cache_dir(choice: str, workdir: str,
+                          configured: str | None) -> str | None:
+  """The folder `train.compilation_cache` asks for ("workdir": the run's
+  folder; "": none), or None when one is already `configured`."""
+  if not choice or configured:
+    return None
+  return (os.path.join(workdir, "jax_cache") if choice == "workdir"
+          else os.path.abspath(os.path.expanduser(choice)))
+
+
+def _compilation_cache(choice: str, workdir: str) -> None:
+  """Points JAX's persistent compilation cache at `compilation_cache_dir`."""
+  path = compilation_cache_dir(choice, workdir,
+                               jax.config.jax_compilation_cache_dir)
+  if path is None:
+    return
+  jax.config.update("jax_compilation_cache_dir", path)
+  # Programs compiled before this point (none in train.py) kept the
+  # cache's earlier state: start it again.
+  compilation_cache.reset_cache()
+  logging.info("Compilation cache: %s.", path)
 
 
 def _train_loop(run: _Run, state: TrainState) -> TrainState:
@@ -335,8 +383,7 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
         state, sharding.global_batch(batch, run.steps.batch_sharding))
     window.add(step, step_metrics)
     if step == run.start_step + 1:
-      logging.info("Step %d (compilation included) took %.1f s.", step,
-                   window.time_first_step())
+      run.log_startup(window.time_first_step())
     preempted = run.preemption.reached(step)
     last = step == num_steps or preempted
     do_log = step % cfg.train.log_every == 0 or last
@@ -395,6 +442,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
   distributed.initialize(config.get("mesh"))
   state_lib.check_config(config)   # Bad configs fail before any file.
   workdir = os.path.abspath(os.path.expanduser(workdir))
+  _compilation_cache(config.train.get("compilation_cache", ""), workdir)
   lock = contextlib.nullcontext()
   if distributed.is_main_process():
     os.makedirs(workdir, exist_ok=True)
