@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import types
 from typing import Any, NamedTuple
 
@@ -581,3 +582,31 @@ def test_step_failing_to_restore_after_its_checks_falls_back(
   assert f"{directory}/2: restoring it failed (OSError: read error)." in (
       caplog.text)
   assert any(n.startswith("unreadable-2-") for n in os.listdir(directory))
+
+
+def test_manifest_is_hashed_off_the_callers_thread(tmp_path, monkeypatch):
+  """The manifest of a finished save is written in a background thread:
+  the next `save` returns while it is still hashing; `close` waits for it,
+  and the step verifies."""
+  started, release, threads = threading.Event(), threading.Event(), []
+  write = manifest.write_manifest
+
+  def slow_write(step_dir):
+    threads.append(threading.current_thread().name)
+    started.set()
+    assert release.wait(60)
+    write(step_dir)
+
+  monkeypatch.setattr(manifest, "write_manifest", slow_write)
+  mgr = manager_lib.CheckpointManager(str(tmp_path / "ckpt"))
+  state = {"w": np.arange(4, dtype=np.float32)}
+  mgr.save(1, state)
+  mgr.save(2, state)                # finishes step 1: its manifest starts
+  assert started.wait(60)
+  step1 = tmp_path / "ckpt" / "1"
+  assert not (step1 / manifest.MANIFEST_FILE).exists()   # still hashing
+  release.set()
+  mgr.close()
+  assert threads and all(t.startswith("kda_lm_manifest") for t in threads)
+  assert manifest.verify_manifest(str(step1))
+  assert manifest.verify_manifest(str(tmp_path / "ckpt" / "2"))

@@ -13,7 +13,8 @@ holding three items:
   about to continue the same run (`kda_lm.checkpoint.workdir.check_resume`).
 
 Once a step is complete, its manifest (`manifest.py`: the size and SHA-256
-of every file of the step) is written beside it, and a
+of every file of the step) is written beside it, in a background thread
+(hashing a large checkpoint takes minutes; the loop goes on), and a
 restore verifies it: a step whose bytes changed on disk is moved aside with
 one clear line, and the previous complete step is restored instead.
 
@@ -40,6 +41,7 @@ Usage:
   manager.close()                             # waits for pending saves
 """
 
+import concurrent.futures
 import os
 import re
 import shutil
@@ -86,6 +88,16 @@ def _root_cause(error: BaseException) -> BaseException:
   return found
 
 
+def _write_manifest(step_dir: str) -> None:
+  """`manifest.write_manifest`, unless the step was deleted meanwhile (an
+  older step past `max_to_keep`)."""
+  try:
+    manifest.write_manifest(step_dir)
+  except FileNotFoundError:
+    if os.path.isdir(step_dir):
+      raise
+
+
 class CheckpointManager:
   """Saves and restores `(TrainState, data iterator)` checkpoints.
 
@@ -122,6 +134,11 @@ class CheckpointManager:
     )
     self._saving: int | None = None
     self._failed: CheckpointSaveError | None = None
+    # The newest step's manifest is hashed here, off the caller's thread
+    # (hashlib releases the GIL): for a large checkpoint that is minutes.
+    self._hasher = concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="kda_lm_manifest")
+    self._manifest: tuple[int, concurrent.futures.Future] | None = None
 
   def _warn_about_partial_saves(self) -> None:
     if not os.path.isdir(self.directory):
@@ -298,7 +315,22 @@ class CheckpointManager:
       return
     step_dir = os.path.join(self.directory, str(step))
     if os.path.isdir(step_dir):
-      manifest.write_manifest(step_dir)
+      self._manifest_written()
+      self._manifest = (step, self._hasher.submit(_write_manifest, step_dir))
+
+  def _manifest_written(self) -> None:
+    """Waits for the manifest being written in the background, if any.
+
+    Raises:
+      CheckpointSaveError: writing it failed.
+    """
+    if self._manifest is None:
+      return
+    (step, future), self._manifest = self._manifest, None
+    try:
+      future.result()
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      raise self._fail(step, e) from e
 
   def saved_config(self, step: int) -> dict[str, Any] | None:
     """The config saved with `step` (None for a checkpoint without one)."""
@@ -385,6 +417,7 @@ class CheckpointManager:
         parameters do not match `abstract_state.params`.
       FileNotFoundError: `step` was given and does not exist.
     """
+    self._manifest_written()    # A step is verified against its manifest.
     steps = self.all_steps()
     if step is not None:
       if step not in steps:
@@ -416,16 +449,20 @@ class CheckpointManager:
     return None
 
   def wait_until_finished(self) -> None:
-    """Blocks until pending asynchronous saves are written (and verified)."""
+    """Blocks until pending asynchronous saves and their manifests are
+    written."""
     self._finish_pending()
+    self._manifest_written()
 
   def close(self) -> None:
-    """Waits for pending saves and releases the manager. After a failed
-    save (already raised) it only releases the manager."""
+    """Waits for pending saves and their manifests and releases the
+    manager. After a failed save (already raised) it only releases it."""
     try:
       if self._failed is None:
         self._finish_pending()
+        self._manifest_written()
     finally:
+      self._hasher.shutdown(wait=True)
       try:
         self._manager.close()
       except Exception:  # pylint: disable=broad-exception-caught
