@@ -16,6 +16,7 @@ from ml_collections import config_flags
 
 import kda_lm  # noqa: F401  (first: sets XLA:CPU flags before JAX starts)
 from kda_lm.parallel import distributed
+from kda_lm.train import cli
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
@@ -75,4 +76,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)
