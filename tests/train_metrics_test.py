@@ -74,6 +74,7 @@ def test_window_averages_its_steps_and_leaves_out_compile_and_pauses(
   assert row["mtp_loss"] == pytest.approx(2.0)
   assert row["lr"] == pytest.approx(3e-3)      # The last step's.
   assert row["tokens_per_s"] == pytest.approx(200 / 4.0)
+  assert row["steps_averaged"] == 3
   window.reset()
   for step in (4, 5, 6):
     window.add(step, step_metrics(step))

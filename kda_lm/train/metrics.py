@@ -1,7 +1,8 @@
 """Training output: `metrics.jsonl`, TensorBoard events, progress display.
 
 `MetricsWriter` appends one JSON object per logged step to
-`<workdir>/metrics.jsonl` (train rows: `step`, `loss`, `accuracy`,
+`<workdir>/metrics.jsonl` (train rows, means over the steps since the
+previous row, `steps_averaged` of them: `step`, `loss`, `accuracy`,
 `grad_norm`, `lr`, `tokens_per_s`, `tflops_per_device`, `mfu` (on devices
 with a known peak), ...; eval rows: `step`, `eval_loss`,
 `eval_accuracy`, ...) and optionally mirrors every scalar to TensorBoard
@@ -338,7 +339,11 @@ class Progress:
       postfix.update(self._eval)
       self._bar.set_postfix(postfix, refresh=True)
     else:
-      logging.info("step %d/%d: %s", step, self.total,
+      # The train loss is the mean over the row's steps (changing
+      # parameters); an eval row's is that of one step's parameters.
+      n = scalars.get("steps_averaged")
+      logging.info("step %d/%d%s: %s", step, self.total,
+                   f" (mean of {int(n)} steps)" if n and n > 1 else "",
                    _format(scalars, _TRAIN_KEYS))
 
   def eval(self, step: int, scalars: Mapping[str, Any]) -> None:
@@ -430,6 +435,7 @@ class Window:
     out = {k: float(np.mean([m[k] for m in rows]))
            for k in rows[-1] if k != "lr"}
     out["lr"] = rows[-1]["lr"]
+    out["steps_averaged"] = len(rows)
     if self._tokens:
       elapsed = max(time.time() - self._start - self._paused, 1e-9)
       out["tokens_per_s"] = self._tokens / elapsed
