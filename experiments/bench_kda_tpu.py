@@ -97,7 +97,9 @@ def splash_program(B, T, H, backward, block):
   with `block`-sized tiles everywhere, or its default tiles (None)."""
   # pylint: disable-next=g-import-not-at-top
   from jax.experimental.pallas.ops.tpu.splash_attention import (
-      splash_attention_kernel as sk, splash_attention_mask as sm)
+      splash_attention_kernel as sk)
+  from jax.experimental.pallas.ops.tpu.splash_attention import (
+      splash_attention_mask as sm)
   sizes = None
   if block:
     blk = min(block, T)

@@ -57,9 +57,8 @@ import numpy as np  # noqa: E402
 from configs import ling3  # noqa: E402
 from experiments import compile_report, hlo_flops  # noqa: E402
 import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
-from kda_lm import flops  # noqa: E402
+from kda_lm import flops, optimizer  # noqa: E402
 from kda_lm import model as model_lib  # noqa: E402
-from kda_lm import optimizer  # noqa: E402
 from kda_lm.checkpoint import state as state_lib
 from kda_lm.parallel import sharding
 from kda_lm.train import step as step_lib

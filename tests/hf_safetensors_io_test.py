@@ -90,7 +90,7 @@ def test_shards_respect_max_shard_size_and_fill_up(tmp_path):
   for shard in held:
     total = sum(n for _, n in shard)
     assert total <= 100 or len(shard) == 1, shard
-  for shard, following in zip(held, held[1:]):
+  for shard, following in zip(held, held[1:], strict=False):
     assert sum(n for _, n in shard) + following[0][1] > 100, (shard,
                                                              following)
   assert held[0] == [("t00", 40), ("t01", 60)]

@@ -13,10 +13,9 @@ from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
 from kda_lm import segments
-from kda_lm.ops.kda.pallas import backward, forward
+from kda_lm.ops.kda.pallas import backward, forward, tpu
 from kda_lm.ops.kda.pallas import helpers as hp
 from kda_lm.ops.kda.pallas import options as options_lib
-from kda_lm.ops.kda.pallas import tpu
 
 
 def unsupported_reason(K, V, chunk_size):

@@ -344,7 +344,7 @@ def chunk_forward(heads, states, masks, prec, group):
   """
   its, ws, us, ps = _intra_and_wu(heads, masks, prec, group)
   outs, nexts = [], []
-  for h, it, w, u, S in zip(heads, its, ws, us, states):
+  for h, it, w, u, S in zip(heads, its, ws, us, states, strict=True):
     C = h.q.shape[0]
     qws = mm(jnp.concatenate([h.q * it.F, w], axis=0), S, prec.state)
     v_new = u - qws[C:]
@@ -394,17 +394,17 @@ def chunk_backward(heads, states, ps, dstates, dos, masks, prec, group):
   """
   its, ws, us, _ = _intra_and_wu(heads, masks, prec, group, ps)
   parts = [_state_backward(*a, prec) for a in
-           zip(heads, its, ws, us, states, dstates, dos)]
+           zip(heads, its, ws, us, states, dstates, dos, strict=True)]
   K = heads[0].k.shape[1]
   dxys = []
-  for p, idx in zip(ps, _groups(len(heads), group)):
+  for p, idx in zip(ps, _groups(len(heads), group), strict=True):
     dxys += _stacked_apply(
         p, [jnp.concatenate([parts[i][2], parts[i][3]], axis=1)
             for i in idx], True, prec.chunk)
   return [_head_grads(h, it, w, u, part, dxy[:, :K], dxy[:, K:], do, masks,
                       prec)
-          for h, it, w, u, part, dxy, do in zip(heads, its, ws, us, parts,
-                                                 dxys, dos)]
+          for h, it, w, u, part, dxy, do in zip(
+              heads, its, ws, us, parts, dxys, dos, strict=True)]
 
 
 def _head_grads(h, it, w, u, part, dX, dY, do, masks, prec):
