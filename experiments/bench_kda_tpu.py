@@ -96,10 +96,9 @@ def splash_program(B, T, H, backward, block):
   """jit of causal splash attention with segment ids ([B,H,T,D] inputs),
   with `block`-sized tiles everywhere, or its default tiles (None)."""
   # pylint: disable-next=g-import-not-at-top
-  from jax.experimental.pallas.ops.tpu.splash_attention import (
-      splash_attention_kernel as sk)
-  from jax.experimental.pallas.ops.tpu.splash_attention import (
-      splash_attention_mask as sm)
+  from jax.experimental.pallas.ops.tpu import splash_attention
+  sk = splash_attention.splash_attention_kernel
+  sm = splash_attention.splash_attention_mask
   sizes = None
   if block:
     blk = min(block, T)
