@@ -54,7 +54,7 @@ import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
-from configs import ling3  # noqa: E402
+from configs import kimi_linear, ling3  # noqa: E402
 from experiments import compile_report, hlo_flops  # noqa: E402
 import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
 from kda_lm import flops, optimizer  # noqa: E402
@@ -117,27 +117,12 @@ def parse_mesh(text):
   return ml_collections.ConfigDict(sizes)
 
 
-def kimi_linear_48b():
-  """Kimi-Linear-48B-A3B's `model` section (docs/layers.md's column)."""
-  m = ling3.model_config("tiny")
-  m.update(dict(
-      vocab_size=163840, d_model=2304, num_heads=32, head_dim=128,
-      q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128,
-      qk_rope_head_dim=64, v_head_dim=128, use_nope=True,
-      mla_output_gate=False, kda_gate="kimi", norm_eps=1e-5,
-      mlp_hidden_dim=9216, num_experts=256, moe_intermediate_size=1024,
-      num_experts_per_tok=8, num_shared_experts=1, n_group=1, topk_group=1,
-      routed_scaling_factor=2.446, first_k_dense_replace=1,
-      attention_pattern=model_lib.ling_pattern(27, 4)))
-  return m
-
-
 def model_config(layers, model="tiny"):
   """`model`'s widths ("tiny", "dense", "flash", "kimi"; `name@c` sets
   `moe_capacity_factor` c) with `layers` layers of its pattern."""
   model, _, capacity = model.partition("@")
   if model == "kimi":
-    m = kimi_linear_48b()
+    m = kimi_linear.model_config()
   elif model in ("tiny", "dense", "flash"):
     m = ling3.model_config("flash" if model == "flash" else "tiny")
   else:
