@@ -23,11 +23,20 @@ import numpy as np
 from kda_lm.layers import kda, mla, moe, rope
 from kda_lm.ops import gmm
 from kda_lm.ops.kda import api as kda_api
+from kda_lm.ops.kda import common as kda_common
 
 LAYER_KINDS = {"K": "kda", "M": "mla"}
 # What a layer keeps for the backward pass (`config.train.remat`; each is
 # described in `kda_lm/stack.py`), from most memory to least.
 REMAT_POLICIES = ("none", "save_dots", "save_outputs", "full")
+
+
+def check_remat(remat: str) -> str:
+  """`remat` if it names a policy of `REMAT_POLICIES`, else ValueError."""
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"config.train.remat must be one of {REMAT_POLICIES}, "
+                     f"got {remat!r}.")
+  return remat
 DTYPES = ("float32", "bfloat16", "float16")
 
 T = TypeVar("T")
@@ -279,7 +288,7 @@ class ModelConfig:
   # 1e-5); the `ling` KDA forget gate's lower bound, in [-5, 0); whether
   # the top-k expert weights are renormalised (`norm_topk_prob`).
   mla_norm_eps: Optional[float] = None
-  kda_lower_bound: float = -5.0
+  kda_lower_bound: float = kda_common.GATE_FLOOR
   moe_renormalize: bool = True
 
   @classmethod
@@ -331,9 +340,8 @@ class ModelConfig:
             and self.norm_eps > 0 and self.mla_norm_eps > 0):
       raise ValueError("model.embed_init_std, rope_theta, norm_eps and "
                        "mla_norm_eps must be positive.")
-    if not -5.0 <= self.kda_lower_bound < 0.0:
-      raise ValueError(f"model.kda_lower_bound must lie in [-5, 0), got "
-                       f"{self.kda_lower_bound!r}.")
+    kda_common.check_lower_bound(self.kda_lower_bound,
+                                 "model.kda_lower_bound")
     self._check_moe_and_mtp()
 
   def _check_pattern(self):
@@ -458,9 +466,7 @@ class TrainConfig:
       if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
         raise ValueError(f"config.train.{name} must be an int >= 1, got "
                          f"{getattr(self, name)!r}.")
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"config.train.remat must be one of "
-                       f"{REMAT_POLICIES}, got {self.remat!r}.")
+    check_remat(self.remat)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -129,11 +129,7 @@ def layer_plan(cfg: config_lib.ModelConfig) -> LayerPlan:
 # Rematerialisation.
 
 
-def check_remat(remat: str) -> str:
-  if remat not in REMAT_POLICIES:
-    raise ValueError(f"config.train.remat must be one of {REMAT_POLICIES}, "
-                     f"got {remat!r}.")
-  return remat
+check_remat = config_lib.check_remat
 
 
 def _policy(remat: str) -> Optional[Callable[..., bool]]:

@@ -25,6 +25,7 @@ import ml_collections
 from kda_lm import config as config_lib
 from kda_lm.hf import mapping
 from kda_lm.layers import rope as rope_lib
+from kda_lm.ops.kda import common as kda_common
 
 # HF's MLA latent norms (q_a_layernorm, kv_a_layernorm) use this epsilon in
 # both formats, whatever `rms_norm_eps` says.
@@ -227,7 +228,8 @@ def from_hf(hf: dict, *, dtype: Optional[str] = None
   m.use_nope = kimi
   m.mla_output_gate = not kimi
   m.kda_gate = "kimi" if kimi else "ling"
-  m.kda_lower_bound = float(_get(hf, "kda_lower_bound", default=-5.0))
+  m.kda_lower_bound = float(_get(hf, "kda_lower_bound",
+                                 default=kda_common.GATE_FLOOR))
   m.num_experts = int(_need(hf, "num_experts", "num_local_experts"))
   m.moe_intermediate_size = int(_need(hf, "moe_intermediate_size"))
   m.num_experts_per_tok = int(_need(hf, "num_experts_per_token",

@@ -39,11 +39,11 @@ import jax.numpy as jnp
 
 from kda_lm import segments
 from kda_lm.layers import conv, linear, norm
-from kda_lm.ops.kda import recurrent
+from kda_lm.ops.kda import common, recurrent
 from kda_lm.parallel import context as context_parallel
 
 GATES = ("ling", "kimi")
-LING_LOWER_BOUND = -5.0
+LING_LOWER_BOUND = common.GATE_FLOOR   # Ling 3.0's kda_lower_bound
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 0.1, 1e-4
 
 

@@ -170,8 +170,8 @@ def _check_gate_args(g, A_log, dt_bias, lower_bound, use_gate_in_kernel, H,
     if dt_bias is not None and dt_bias.shape != (H * K,):
       raise ValueError(f"dt_bias must be [H*K] = {(H * K,)}, got "
                        f"{dt_bias.shape}.")
-    if lower_bound is not None and not -5.0 <= float(lower_bound) < 0.0:
-      raise ValueError(f"lower_bound must lie in [-5, 0), got {lower_bound}.")
+    if lower_bound is not None:
+      common.check_lower_bound(lower_bound)
     return
   for name, x in (("A_log", A_log), ("dt_bias", dt_bias),
                   ("lower_bound", lower_bound)):

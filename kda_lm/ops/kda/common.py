@@ -19,6 +19,10 @@ import jax.numpy as jnp
 from kda_lm import segments
 
 L2NORM_EPS = 1e-6
+# The bounded gate's floor: `lower_bound` lies in [GATE_FLOOR, 0), and
+# Ling 3.0 takes the floor itself. Sixteen such gates decay by at most e^80,
+# within float32's range, which the chunked paths' factorised decays need.
+GATE_FLOOR = -5.0
 # c: rows per sub-block inside a chunk, in every chunked implementation (the
 # anchored decay factorisation and the blocked triangular solve).
 SUB_BLOCK = 16
@@ -29,6 +33,13 @@ def l2norm(x, dtype=jnp.float32):
   `dtype` (float32; float64 only for a test oracle)."""
   x = x.astype(dtype)
   return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def check_lower_bound(value, where="lower_bound"):
+  """Raises ValueError unless `value` lies in [GATE_FLOOR, 0)."""
+  if not GATE_FLOOR <= float(value) < 0.0:
+    raise ValueError(f"{where} must lie in [{GATE_FLOOR:g}, 0), got "
+                     f"{value!r}.")
 
 
 def kda_gate(g_raw, A_log, dt_bias, lower_bound=None, dtype=jnp.float32):
