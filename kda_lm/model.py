@@ -521,8 +521,8 @@ def summary(model_config: Any, *, shapes: bool = True) -> str:
   gate = cfg.kda_gate
 
   def kind(top):
-    if top.startswith("layer_"):
-      i = int(top.split("_")[1])
+    i = stack.layer_index(top)
+    if i is not None:
       c = cfg.attention_pattern[i]
       ffn = "MoE" if cfg.is_moe_layer(i) else "SwiGLU"
       return f"KDA ({gate}) + {ffn}" if c == "K" else f"MLA + {ffn}"
@@ -532,7 +532,7 @@ def summary(model_config: Any, *, shapes: bool = True) -> str:
                                     else ""),
             "final_norm": "RMSNorm", "lm_head": "linear"}.get(top, "?")
 
-  order = (["embed"] + [f"layer_{i}" for i in
+  order = (["embed"] + [stack.layer_name(i) for i in
                         range(len(cfg.attention_pattern))]
            + ["final_norm", "lm_head"]
            + [f"mtp_{k}" for k in range(cfg.num_mtp_layers)])

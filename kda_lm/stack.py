@@ -73,8 +73,20 @@ class LayerPlan(NamedTuple):
     return range(self.start, self.start + self.period * self.repeats)
 
 
+_LAYER_PREFIX = "layer_"
+
+
 def layer_name(i: int) -> str:
-  return f"layer_{i}"
+  """The module of layer i in the unscanned layout: "layer_{i}"."""
+  return f"{_LAYER_PREFIX}{i}"
+
+
+def layer_index(top: str) -> Optional[int]:
+  """The inverse of `layer_name`: 12 for "layer_12", None for any other
+  module name."""
+  if top.startswith(_LAYER_PREFIX) and top[len(_LAYER_PREFIX):].isdigit():
+    return int(top[len(_LAYER_PREFIX):])
+  return None
 
 
 def slot_name(j: int) -> str:
@@ -156,9 +168,8 @@ def rematted(fn: Callable[..., Any], remat: str, *, in_scan: bool
 def _split_layer(module: str) -> tuple[Optional[int], str]:
   """"layer_12/kda/q_proj" -> (12, "/kda/q_proj"); (None, module) else."""
   top, sep, rest = module.partition("/")
-  if top.startswith("layer_") and top[6:].isdigit():
-    return int(top[6:]), sep + rest
-  return None, module
+  i = layer_index(top)
+  return (None, module) if i is None else (i, sep + rest)
 
 
 def _stack(leaves: list[Any]) -> Any:

@@ -241,3 +241,10 @@ def test_remat_prevents_cse_outside_a_scan_only(cfg, want):
   params = jax.eval_shape(m.init, jax.random.key(1), tokens, seg)
   jaxpr = jax.make_jaxpr(m.apply)(params, tokens, seg).jaxpr
   assert collections.Counter(_checkpoints(jaxpr)) == want
+
+
+def test_layer_names_and_their_inverse():
+  assert stack.layer_name(12) == "layer_12"
+  assert [stack.layer_index(n) for n in (
+      "layer_0", "layer_12", "layer_", "layer_x", "mtp_0", "layers_1")] == [
+          0, 12, None, None, None, None]

@@ -22,6 +22,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from kda_lm import config as config_lib
+from kda_lm import stack
 from kda_lm.layers import moe
 
 BAILING = "bailing_hybrid"
@@ -153,7 +154,7 @@ def tensor_map(cfg: config_lib.ModelConfig, model_type: str
   names = _NAMES[model_type]
   out = {f"{names['embed']}.weight": Target("embed", "embeddings", "same")}
   for i, kind in enumerate(cfg.attention_pattern):
-    p, m = f"model.layers.{i}", f"layer_{i}"
+    p, m = f"model.layers.{i}", stack.layer_name(i)
     out[f"{p}.input_layernorm.weight"] = _norm(f"{m}/attn_norm")
     out[f"{p}.post_attention_layernorm.weight"] = _norm(f"{m}/mlp_norm")
     mixer = f"{p}.{names['mixer']}"
@@ -187,7 +188,7 @@ def zero_params(cfg: config_lib.ModelConfig, model_type: str
   for i, kind in enumerate(cfg.attention_pattern):
     for module, name in ZERO_PARAMS.get(model_type, ()):
       if module.split("/")[0] == {"K": "kda", "M": "mla"}[kind]:
-        out.append((f"layer_{i}/{module}", name))
+        out.append((f"{stack.layer_name(i)}/{module}", name))
   return out
 
 
