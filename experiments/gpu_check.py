@@ -28,14 +28,15 @@ Usage:
   python -m experiments.gpu_check --num_warps=4,8       # sweep Triton warps
   python -m experiments.gpu_check --v_blocks=32,64,128  # sweep V blocks
 
-Pallas runs once per (num_warps, v_block, precision): `--v_blocks` sets
-KDA_LM_PALLAS_V_BLOCK, the state columns each recurrence program owns
-(128 = one program per (b, h)); `--precisions` sets KDA_LM_PALLAS_PRECISION
-("bf16" = bfloat16 operands on tensor cores, the GPU default; "tf32";
-"highest" = IEEE float32 dots). Other settings: `pallas.for_platform("gpu")`.
+Pallas runs once per (num_warps, v_block, precision), each a
+`pallas.KernelOptions` over the default backend's: `--v_blocks` sets
+`v_block`, the state columns each recurrence program owns (128 = one
+program per (b, h)); `--precisions` sets `precision` ("bf16" = bfloat16
+operands on tensor cores, the GPU default; "tf32"; "highest" = IEEE
+float32 dots).
 """
 
-import os
+import dataclasses
 import statistics
 import time
 
@@ -47,7 +48,6 @@ import numpy as np
 from kda_lm import testing
 from kda_lm.ops import chunk_kda
 from kda_lm.ops.kda import pallas
-from kda_lm.ops.kda.pallas import options as pallas_options
 
 _T = flags.DEFINE_integer("seq_len", 8192, "Tokens per row T.")
 _B = flags.DEFINE_integer("batch", 1, "Rows B.")
@@ -64,7 +64,7 @@ _VBLOCKS = flags.DEFINE_list("v_blocks", ["64"], "V columns per program "
                              "to sweep for pallas.")
 _PRECISIONS = flags.DEFINE_list("precisions", ["bf16", "tf32"],
                                 "In-kernel dot precisions to sweep for pallas "
-                                "(KDA_LM_PALLAS_PRECISION).")
+                                "(KernelOptions.precision).")
 
 CHUNK = 64
 FLA_FWD_MS_H100 = 0.93
@@ -133,9 +133,10 @@ STATIC = dict(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True,
               use_qk_l2norm_in_kernel=True, output_final_state=True)
 
 
-def build(impl, backward):
+def build(impl, backward, options=None):
   def forward(params, seg):
-    return chunk_kda(**params, segment_ids=seg, impl=impl, **STATIC)
+    return chunk_kda(**params, segment_ids=seg, impl=impl,
+                     pallas_options=options, **STATIC)
 
   if not backward:
     return jax.jit(forward)
@@ -170,24 +171,22 @@ def main(argv):
   params, ones, segmented, cot = make_inputs(0, B, T, H, D, dtype, _DOCS.value)
   variants = [(impl, None) for impl in _IMPLS.value if impl != "pallas"]
   if "pallas" in _IMPLS.value:
-    warps = _WARPS.value or [os.environ.get(
-        pallas_options.NUM_WARPS_ENV,
-        str(pallas.for_platform("gpu").num_warps))]
+    warps = _WARPS.value or [str(pallas.default_options().num_warps)]
     variants = [("pallas", (w, vb, pr)) for w in warps
                 for vb in _VBLOCKS.value for pr in _PRECISIONS.value
                 ] + variants
   rows, outs, ms = [], {}, {}
   for impl, setting in variants:
-    label = impl
-    if setting is not None:  # read when tracing: a new setting retraces
+    label, options = impl, None
+    if setting is not None:
       warps, v_block, precision = setting
-      os.environ[pallas_options.NUM_WARPS_ENV] = str(warps)
-      os.environ[pallas_options.V_BLOCK_ENV] = str(v_block)
-      os.environ[pallas_options.PRECISION_ENV] = precision
+      options = dataclasses.replace(
+          pallas.default_options(), num_warps=int(warps),
+          v_block=int(v_block), precision=precision)
       label = f"{impl} (warps {warps}, V block {v_block}, {precision})"
     for seg_name, seg in (("none", ones), (f"{_DOCS.value} docs", segmented)):
       for backward in (False, True):
-        fn = build(impl, backward)
+        fn = build(impl, backward, options)
         args = (params, seg, cot) if backward else (params, seg)
         sec, first, out = timed(fn, args, _REPEATS.value)
         if not backward:

@@ -24,6 +24,7 @@ from kda_lm.layers import kda, mla, moe, rope
 from kda_lm.ops import gmm
 from kda_lm.ops.kda import api as kda_api
 from kda_lm.ops.kda import common as kda_common
+from kda_lm.ops.kda.pallas import options as pallas_options
 
 LAYER_KINDS = {"K": "kda", "M": "mla"}
 # What a layer keeps for the backward pass (`config.train.remat`; each is
@@ -224,6 +225,12 @@ class ModelConfig:
   # chunk_kda chunk length (tokens); None = the op's choice per
   # implementation and backend (32 for xla on CPU, 64 otherwise).
   kda_chunk_size: Optional[int] = None
+  # Pallas kernel settings, a sub-section: any field of
+  # `kda_lm.ops.kda.pallas.KernelOptions` but `interpret` (heads per
+  # program, dot precision per matmul family, VMEM limit, warps, ...), 0 or
+  # "" = the platform's default. A resume may change them.
+  kda_kernel: pallas_options.KernelSettings = dataclasses.field(
+      default_factory=pallas_options.KernelSettings)
   # Routed experts' grouped matmul (`kda_lm/ops/gmm.py`): auto (megablox
   # on TPU, xla elsewhere) | xla | megablox | ragged_dot (dense over the
   # experts: the reference).
@@ -301,6 +308,10 @@ class ModelConfig:
     if not isinstance(self.rope_scaling, rope.RopeScaling):
       _set(self, "rope_scaling", from_config(
           rope.RopeScaling, self.rope_scaling, "model.rope_scaling"))
+    if not isinstance(self.kda_kernel, pallas_options.KernelSettings):
+      _set(self, "kda_kernel", from_config(
+          pallas_options.KernelSettings, self.kda_kernel,
+          "model.kda_kernel"))
     self._check_pattern()
     _int_at_least(self, "model", 1, "vocab_size", "d_model", "num_heads",
                   "head_dim", "mlp_hidden_dim", "conv_size")

@@ -123,3 +123,33 @@ def test_modules_and_functions_read_at_once():
         long_functions.append(f"{module}.{node.name}")
   assert not long_modules and not long_functions, (long_modules,
                                                     long_functions)
+
+
+# The library's only environment reads: the XLA:CPU flag set on import
+# (kda_lm/__init__.py) and the multi-host start-up's CPU collectives
+# (kda_lm/parallel/distributed.py). Settings are config keys and typed
+# options (`KernelSettings`), never environment variables. Test support
+# (kda_lm/testing.py) builds subprocess environments, it reads none.
+ENV_READERS = ("kda_lm/__init__.py", "kda_lm/parallel/distributed.py",
+               "kda_lm/testing.py")
+
+
+def environment_reads():
+  """(path, line) of every os.environ / os.getenv use in kda_lm/."""
+  found = []
+  for module, path in package_modules():
+    rel = os.path.relpath(path, ROOT)
+    if not module.startswith("kda_lm") or rel in ENV_READERS:
+      continue
+    with open(path, encoding="utf-8") as f:
+      tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Attribute) and isinstance(
+          node.value, ast.Name) and node.value.id == "os" and (
+              node.attr in ("environ", "getenv", "putenv")):
+        found.append((rel, node.lineno))
+  return found
+
+
+def test_the_library_reads_no_environment_variable():
+  assert environment_reads() == []

@@ -308,3 +308,22 @@ def test_every_entry_point_checks_through_segments_check():
                        r"array \(int32\)"):
       call()
       pytest.fail(f"{name} accepted float segment ids")
+
+
+def test_kernel_settings_of_the_config_reach_the_op():
+  """`model.kda_kernel` is passed down to `chunk_kda`: with the TPU family
+  set (interpreted on CPU) the traced model calls its kernel; unset, the
+  platform's default (the generic family here)."""
+  tokens = jnp.zeros((1, 64), jnp.int32)
+
+  def kernels(**kernel):
+    cfg = tiny_config(kda_impl="pallas", attention_pattern="KM")
+    cfg.kda_kernel.update(kernel)
+    m = model.build(cfg)
+    params = jax.eval_shape(m.init, jax.random.key(0), tokens)
+    return str(jax.make_jaxpr(m.apply)(params, tokens))
+
+  assert "kda_tpu_forward" in kernels(family="tpu", heads_per_program=1)
+  assert "kda_tpu_forward" not in kernels()
+  with pytest.raises(ValueError, match="kda_kernel.*heads_per_program"):
+    kernels(heads_per_program=-1)

@@ -10,7 +10,7 @@ Error metric: `kda_lm.testing.rel_err(a, b) = ||a - b||_2 / ||b||_2` in
 float64 (as in tests/ops_kda_reference_test.py). Float32 tolerances: 1e-5
 forward, 1e-4 gradients.
 
-The cross-lowering tests set KDA_LM_PALLAS_INTERPRET=0 and lower the forward
+The cross-lowering tests pass non-interpret options and lower the forward
 and the gradient for TPU (Mosaic: `tpu_custom_call`) and CUDA (Triton:
 `__gpu$xla.gpu.triton`) at K=V=128, T=8192, H=16, bfloat16 inputs, from
 abstract shapes (nothing is allocated).
@@ -70,13 +70,9 @@ def _grad_fn(impl, static):
   return jax.jit(jax.grad(loss, has_aux=True))
 
 
-def fwd_and_grads(impl, params, segment_ids, do, dht, *, fresh=False,
-                  **static):
-  """(o, state, grads) as numpy; `fresh` traces anew instead of reusing the
-  cached function (kernel settings from the environment are read when
-  tracing)."""
-  make = _grad_fn.__wrapped__ if fresh else _grad_fn
-  grads, (o, s) = make(impl, tuple(sorted(static.items())))(
+def fwd_and_grads(impl, params, segment_ids, do, dht, **static):
+  """(o, state, grads) as numpy."""
+  grads, (o, s) = _grad_fn(impl, tuple(sorted(static.items())))(
       params, segment_ids, do, dht)
   return jax.tree.map(np.asarray, (o, s, grads))
 
@@ -191,12 +187,11 @@ def test_v_and_k_blocks_match_reference(monkeypatch):
     np.testing.assert_array_equal(a, b)
   with pytest.raises(ValueError, match="power of two"):
     dataclasses.replace(CPU, v_block=48)
-  monkeypatch.setenv(options.V_BLOCK_ENV, "48")
-  with pytest.raises(ValueError, match="KDA_LM_PALLAS_.*power of two"):
-    pallas.default_options()
+  with pytest.raises(ValueError, match="kda_kernel.*power of two"):
+    options.KernelSettings(v_block=48)
 
 
-def test_tpu_style_recurrence_matches_reference(monkeypatch):
+def test_tpu_style_recurrence_matches_reference():
   """recurrence="grid" runs the recurrences as on TPU in
   interpret mode: one chunk per step of an "arbitrary" grid axis, the state
   in a scratch buffer (written at the first step, read back at the last).
@@ -205,18 +200,17 @@ def test_tpu_style_recurrence_matches_reference(monkeypatch):
   tests/ops_kda_reference_test.py and the rest of this file check)."""
   params, seg, loop, want = packed_results()
   _, static, do, dht = make_inputs(0, 2, PACKED_T)
-  monkeypatch.setenv(options.RECURRENCE_ENV, "grid")  # the env override
-  grid = fwd_and_grads("pallas", params, seg, do, dht, fresh=True,
-                       **static)
-  assert pallas.default_options() == dataclasses.replace(CPU, recurrence="grid")
+  grid_options = options.KernelSettings(recurrence="grid").options()
+  assert grid_options == dataclasses.replace(CPU, recurrence="grid")
+  grid = fwd_and_grads("pallas", params, seg, do, dht,
+                       pallas_options=grid_options, **static)
   _compare(params, grid, want)
   _compare(params, grid, loop, fwd_tol=1e-6, grad_tol=1e-6)
   pad = seg == 0
   for n in TOKEN_FIELDS:
     assert np.isfinite(grid[2][n]).all() and np.all(grid[2][n][pad] == 0), n
-  monkeypatch.setenv(options.RECURRENCE_ENV, "scan")
   with pytest.raises(ValueError, match="recurrence"):
-    pallas.default_options()
+    options.KernelSettings(recurrence="scan")
 
 
 def test_vmap_over_rows_equals_batch():
@@ -287,13 +281,11 @@ def test_auto_picks_pallas_on_accelerators_and_falls_back(monkeypatch,
     api._check_pallas("pallas", "pallas", 512, 16, 64)
 
 
-def test_options_per_platform_and_env_overrides(monkeypatch):
-  """Defaults follow JAX's default backend; KDA_LM_PALLAS_* override one
-  field each, read only by `default_options`; bad values raise."""
-  for name in (options.INTERPRET_ENV, options.NUM_WARPS_ENV,
-               options.V_BLOCK_ENV, options.RECURRENCE_ENV,
-               options.PRECISION_ENV):
-    monkeypatch.delenv(name, raising=False)
+def test_options_per_platform_and_settings(monkeypatch):
+  """Defaults follow JAX's default backend; `KernelSettings` (the model
+  config's `kda_kernel`) replace single fields over them; bad values
+  raise. The environment is not read."""
+  monkeypatch.setenv("KDA_LM_PALLAS_NUM_WARPS", "2")   # no effect
   assert pallas.default_options() == pallas.for_platform(
       options.backend_platform())
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
@@ -303,18 +295,14 @@ def test_options_per_platform_and_env_overrides(monkeypatch):
   gpu = pallas.default_options()
   assert gpu == pallas.for_platform("gpu") and not gpu.interpret
   assert hash(gpu) == hash(pallas.for_platform("gpu"))
-  monkeypatch.setenv(options.INTERPRET_ENV, "1")
-  monkeypatch.setenv(options.NUM_WARPS_ENV, "2")
-  monkeypatch.setenv(options.PRECISION_ENV, "bf16")
-  assert pallas.default_options() == dataclasses.replace(
-      gpu, interpret=True, num_warps=2, precision="bf16")
-  monkeypatch.setenv(options.INTERPRET_ENV, "yes")
-  with pytest.raises(ValueError, match="KDA_LM_PALLAS_INTERPRET"):
-    pallas.default_options()
-  monkeypatch.delenv(options.INTERPRET_ENV)
-  monkeypatch.setenv(options.PRECISION_ENV, "fp8")
+  settings = options.KernelSettings(num_warps=2, precision="bf16")
+  assert settings.options() == dataclasses.replace(
+      gpu, num_warps=2, precision="bf16")
+  assert options.KernelSettings().options() is None
+  assert "interpret" not in {f.name for f in dataclasses.fields(
+      options.KernelSettings)}
   with pytest.raises(ValueError, match="precision"):
-    pallas.default_options()
+    options.KernelSettings(precision="fp8")
   with pytest.raises(ValueError, match="num_warps"):
     pallas.KernelOptions(num_warps=3)
   with pytest.raises(ValueError, match="platform"):

@@ -44,7 +44,8 @@ MEANING_KEYS = ("model.", "data.")
 # rebuilt one, is refused.
 SAFE_KEYS = ("data.data_dir", "data.tokenizer_path", "data.skip_bad_records",
              "model.kda_impl", "model.moe_impl",
-             "model.kda_chunk_size", "model.compute_dtype")
+             "model.kda_chunk_size", "model.kda_kernel.",
+             "model.compute_dtype")
 
 
 class WorkdirLockedError(RuntimeError):

@@ -63,7 +63,9 @@ class DecoderBlock(hk.Module):
           gate=cfg.kda_gate, lower_bound=cfg.kda_lower_bound,
           conv_size=cfg.conv_size,
           conv_bias=cfg.conv_bias, norm_eps=eps, impl=cfg.kda_impl,
-          chunk_size=cfg.kda_chunk_size, param_dtype=pdt, name="kda")(
+          chunk_size=cfg.kda_chunk_size,
+          pallas_options=cfg.kda_kernel.options(), param_dtype=pdt,
+          name="kda")(
               h, segment_ids, cache=cache, return_cache=with_cache)
     else:
       h = mla.MultiHeadLatentAttention(

@@ -10,13 +10,13 @@ retrace). `for_platform` gives the settings a GPU, TPU or CPU run uses:
                 precision='bf16', recurrence='loop', interpret=False)
 
 `chunk_kda(..., pallas_options=...)` takes one explicitly. Without it the op
-uses `default_options()`: `for_platform` of JAX's default backend, with the
-`KDA_LM_PALLAS_*` environment variables (read only there) overriding single
-fields for experiments.
+uses `default_options()`: `for_platform` of JAX's default backend. A model
+takes its settings from `config.model.kda_kernel` (`KernelSettings`: any
+field, over the platform's defaults). Nothing here reads the environment.
 """
 
 import dataclasses
-import os
+import typing
 from typing import Optional
 
 import jax
@@ -29,11 +29,6 @@ RECURRENCES = ("loop", "grid")
 FAMILIES = ("generic", "tpu")
 PLATFORMS = ("gpu", "tpu", "cpu")
 
-INTERPRET_ENV = "KDA_LM_PALLAS_INTERPRET"
-NUM_WARPS_ENV = "KDA_LM_PALLAS_NUM_WARPS"
-V_BLOCK_ENV = "KDA_LM_PALLAS_V_BLOCK"
-RECURRENCE_ENV = "KDA_LM_PALLAS_RECURRENCE"
-PRECISION_ENV = "KDA_LM_PALLAS_PRECISION"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,36 +173,56 @@ def backend_platform(backend=None):
 
 
 def default_options():
-  """`for_platform(backend_platform())` with the environment's overrides.
+  """`for_platform(backend_platform())`: the settings of JAX's default
+  backend (`KernelSettings` or an explicit `KernelOptions` change them)."""
+  return for_platform(backend_platform())
 
-  KDA_LM_PALLAS_INTERPRET=0|1, KDA_LM_PALLAS_NUM_WARPS, KDA_LM_PALLAS_V_BLOCK,
-  KDA_LM_PALLAS_RECURRENCE=loop|grid and KDA_LM_PALLAS_PRECISION=highest|
-  tf32|bf16 each replace one field. This is the only place that reads them.
 
-  Raises:
-    ValueError: a malformed environment variable.
-  """
-  options = for_platform(backend_platform())
-  changes = {}
-  env = {name: os.environ.get(name, "") for name in (
-      INTERPRET_ENV, NUM_WARPS_ENV, V_BLOCK_ENV, RECURRENCE_ENV,
-      PRECISION_ENV)}
-  if env[INTERPRET_ENV]:
-    if env[INTERPRET_ENV] not in ("0", "1"):
-      raise ValueError(f"{INTERPRET_ENV} must be 0 or 1, got "
-                       f"{env[INTERPRET_ENV]!r}.")
-    changes["interpret"] = env[INTERPRET_ENV] == "1"
-  for name, field in ((NUM_WARPS_ENV, "num_warps"),
-                      (V_BLOCK_ENV, "v_block")):
-    if env[name]:
-      if not env[name].isdigit():
-        raise ValueError(f"{name} must be a positive int, got {env[name]!r}.")
-      changes[field] = int(env[name])
-  for name, field in ((RECURRENCE_ENV, "recurrence"),
-                      (PRECISION_ENV, "precision")):
-    if env[name]:
-      changes[field] = env[name]
+def _settings_post_init(self):
+  """Checks each set field as `KernelOptions` would (raises ValueError)."""
+  changes = self.changes()
+  family = changes.get("family", "tpu")
+  base = for_platform("tpu" if family == "tpu" else "gpu")
   try:
-    return dataclasses.replace(options, **changes)
+    dataclasses.replace(base, **changes)
   except ValueError as e:
-    raise ValueError(f"KDA_LM_PALLAS_* environment override: {e}") from e
+    raise ValueError(f"config.model.kda_kernel: {e}") from e
+
+
+def _settings_changes(self):
+  """{field: value} of the fields that are set (not 0 or "")."""
+  return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+          if getattr(self, f.name) not in (0, "")}
+
+
+def _settings_options(self):
+  """`default_options()` with the set fields replaced, or None when none
+  is set (the op then takes the platform's defaults itself)."""
+  changes = self.changes()
+  return dataclasses.replace(default_options(), **changes) if changes else (
+      None)
+
+
+def _settings_fields():
+  """KernelOptions' fields as settings: ints default to 0 and strings to
+  "", meaning "the platform's default" (no None: a nested ConfigDict update
+  cannot carry None fields). `interpret` stays the platform's choice."""
+  out = []
+  for name, hint in typing.get_type_hints(KernelOptions).items():
+    if hint is bool:
+      continue
+    kind = int if hint is int else str
+    out.append((name, kind, dataclasses.field(default=kind())))
+  return out
+
+
+# `config.model.kda_kernel`: any `KernelOptions` field but `interpret`, 0
+# or "" = the platform's default (`for_platform`). Recorded with the run's
+# config; a resume may change it (speed and rounding, not what the state
+# means). One field per `KernelOptions` field, so the two never drift.
+KernelSettings = dataclasses.make_dataclass(
+    "KernelSettings", _settings_fields(), frozen=True,
+    namespace={"__post_init__": _settings_post_init,
+               "changes": _settings_changes, "options": _settings_options,
+               "__doc__": "KernelOptions fields to set over the platform's "
+                          "defaults (0 or \"\" keeps the default)."})
