@@ -401,3 +401,25 @@ def test_sampler_top_k_of_the_whole_vocabulary(monkeypatch):
                      match=r"^top_k 4 exceeds the vocabulary \(3\)\.$"):
     decoding._sampler(config, 3)  # pylint: disable=protected-access
   decoding._sampler(config, 5)  # pylint: disable=protected-access
+
+
+def test_generate_reports_prefill_and_decode_apart_from_compilation(
+    monkeypatch):
+  """`stats`: the prefill and the first decode step, each with its
+  compilation, and the steps after it, which alone make the decode rate;
+  `progress` counts from there (a clock that moves 1 s per call)."""
+  cfg = tiny_config(attention_pattern="KM", num_experts=0)
+  params = init_params(cfg)
+  decoder = decoding.Decoder(cfg, max_len=16)
+  ticks = iter(range(10_000))
+  monkeypatch.setattr(decoding.time, "time", lambda: float(next(ticks)))
+  stats, calls = {}, []
+  out = decoding.generate(decoder, params, [[1, 2, 3], [4, 5]],
+                          max_new_tokens=8, stats=stats,
+                          progress=lambda n, s: calls.append((n, s)))
+  assert [len(r) for r in out] == [8, 8]
+  assert stats["prefill_tokens"] == 2 * 3 and stats["prefill_s"] > 0
+  assert stats["first_step_s"] > 0
+  assert stats["decode_steps"] == 6      # 8 tokens: 7 steps, the first apart
+  assert stats["decode_s"] > 0
+  assert calls and all(0 < n <= 6 and s > 0 for n, s in calls)

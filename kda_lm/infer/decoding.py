@@ -272,7 +272,8 @@ def generate(decoder: Decoder, params: hk.Params,
              prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              sampling: Optional[SamplingConfig] = None,
              end_token: Optional[int] = None,
-             progress: Optional[Callable[[int, float], None]] = None
+             progress: Optional[Callable[[int, float], None]] = None,
+             stats: Optional[dict[str, float]] = None
              ) -> list[list[int]]:
   """Continues each prompt.
 
@@ -284,8 +285,11 @@ def generate(decoder: Decoder, params: hk.Params,
     sampling: a `SamplingConfig`; default greedy.
     end_token: a row stops after this token (it is not returned); None =
       always `max_new_tokens`.
-    progress: called as `progress(tokens_done, seconds)` about once a
-      second.
+    progress: called as `progress(steps, seconds)` about once a second,
+      both counted after the first decode step (which compiles).
+    stats: filled with `prefill_tokens`, `prefill_s` (compilation
+      included), `first_step_s` (the first decode step, compilation
+      included), and `decode_steps` and `decode_s` after it.
 
   Returns:
     B lists of generated token ids (without the prompt and end token).
@@ -311,9 +315,14 @@ def generate(decoder: Decoder, params: hk.Params,
         f"{decoder.max_len}.")
   sample = _sampler(sampling, vocab)
   rng = jax.random.key(sampling.seed)
+  stats = {} if stats is None else stats
+  start = time.time()
   logits_BTW, cache = decoder.prefill(params, tokens, segment_ids)
-  logits_BW = logits_BTW[:, -1]
-  out, start, last_report = [], time.time(), time.time()
+  logits_BW = jax.block_until_ready(logits_BTW[:, -1])
+  stats.update(prefill_tokens=int(tokens.size),
+               prefill_s=time.time() - start, first_step_s=0.0,
+               decode_steps=0, decode_s=0.0)
+  out, steady, last_report = [], None, time.time()
   for i in range(max_new_tokens):
     rng, key = jax.random.split(rng)
     next_B = sample(logits_BW, key)
@@ -323,12 +332,21 @@ def generate(decoder: Decoder, params: hk.Params,
     if end_token is not None and i % 16 == 15 and bool(
         jnp.all(jnp.any(jnp.stack(out) == end_token, axis=0))):
       break
+    step_start = time.time()
     logits_BW, cache = decoder.step(params, next_B, cache)
+    if steady is None:   # The first step compiles: the clock starts after.
+      jax.block_until_ready(logits_BW)
+      steady = last_report = time.time()
+      stats["first_step_s"] = steady - step_start
+      continue
+    stats["decode_steps"] += 1
     if progress is not None and time.time() - last_report > 1.0:
       jax.block_until_ready(logits_BW)
       last_report = time.time()
-      progress(i + 1, last_report - start)
+      progress(stats["decode_steps"], last_report - steady)
   generated = np.asarray(jnp.stack(out, axis=1))
+  if steady is not None:
+    stats["decode_s"] = time.time() - steady
   rows = []
   for row in generated.tolist():
     if end_token is not None and end_token in row:

@@ -82,8 +82,21 @@ def format_tokens(ids: Sequence[int],
 
 
 def _progress(done: int, seconds: float, rows: int) -> None:
-  print(f"  {done} tokens/row in {seconds:.1f} s: "
+  print(f"  {done} decode steps in {seconds:.1f} s after the first: "
         f"{done * rows / max(seconds, 1e-9):.1f} tokens/s", file=sys.stderr)
+
+
+def throughput(stats: dict[str, float], rows: int) -> str:
+  """One line from `decoding.generate`'s stats: prefill (compilation
+  included) and decode tokens/s after the first step."""
+  line = (f"prefill: {stats['prefill_tokens']} tokens in "
+          f"{stats['prefill_s']:.2f} s (compilation included); first decode "
+          f"step {stats['first_step_s']:.2f} s (compilation included)")
+  if stats["decode_steps"]:
+    rate = stats["decode_steps"] * rows / max(stats["decode_s"], 1e-9)
+    line += (f"; then {stats['decode_steps']} steps x {rows} rows in "
+             f"{stats['decode_s']:.2f} s: {rate:,.1f} tokens/s")
+  return line
 
 
 def _sampling() -> decoding.SamplingConfig:
@@ -104,10 +117,12 @@ def continue_prompt(run: state_lib.Run, prompt: str, max_new_tokens: int,
     raise ValueError(f"The prompt has {len(ids)} tokens, more than "
                      f"--max_len={max_len}.")
   decoder = decoding.Decoder(run.config.model, max_len)
+  stats = {}
   out = decoding.generate(
       decoder, run.params, [ids], max_new_tokens=max_new_tokens,
       sampling=sampling, end_token=end_token,
-      progress=functools.partial(_progress, rows=1))
+      progress=functools.partial(_progress, rows=1), stats=stats)
+  print(throughput(stats, 1), file=sys.stderr)
   return format_tokens(out[0], codec)
 
 
@@ -139,11 +154,13 @@ def copy_accuracy(run: state_lib.Run, num_docs: int, batch_size: int
   for i in range(0, len(docs), batch_size):
     batch = docs[i:i + batch_size]
     new = longest - delay
+    stats = {}
     out = decoding.generate(decoder, run.params,
                             [d[:delay].tolist() for d in batch],
                             max_new_tokens=new,
                             progress=functools.partial(
-                                _progress, rows=len(batch)))
+                                _progress, rows=len(batch)), stats=stats)
+    print("  " + throughput(stats, len(batch)), file=sys.stderr)
     for doc, gen in zip(batch, out, strict=True):
       answer = doc[delay:]
       correct += int(np.sum(np.asarray(gen[:len(answer)]) == answer))
