@@ -1,0 +1,231 @@
+r"""Benchmarks one training step on the present device, and its parts.
+
+Builds a model of Ling-3.0-tiny's (or Kimi-Linear-48B's) widths cut to
+`--layers` layers of its pattern, with `--experts` routed experts of which
+`--top_k` per token, and times one jitted training step (forward,
+gradient, AdamW, donation) at B x T tokens after a warm-up: compile
+seconds, step ms (median of `--repeats`), tokens/s, TFLOP/s per device
+(`kda_lm.flops.step_flops`), MFU against the device's bf16 peak
+(`flops.peak_flops`) and against the same run's 8192^3 (CPU: 2048^3)
+bfloat16 matmul rate, and peak memory.
+
+With `--parts`, it also times each part alone, forward and backward, on
+the same shapes and with the same implementations:
+- the embedding with the final norm, the LM head and the loss;
+- each layer's mixer (KDA, MLA) and feed-forward (MoE, dense SwiGLU),
+  times the number of such layers;
+- the AdamW update of all parameters.
+
+Their sum beside the whole step tells how much the parts overlap or leave
+out (fusions across parts, the scan, the MoE bias update).
+
+  python -m experiments.bench_step                       # 4-layer tiny step
+  python -m experiments.bench_step --kda_impl=xla --parts
+  python -m experiments.bench_step --layers=2 --seq_len=256 --experts=4 \
+      --top_k=2 --parts                                   # seconds on a CPU
+"""
+
+import json
+import statistics
+import time
+
+from absl import app, flags
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from configs import ling3
+from experiments import compile_mesh
+from kda_lm import config as config_lib
+from kda_lm import flops, losses, optimizer
+from kda_lm import model as model_lib
+from kda_lm.checkpoint import state as state_lib
+from kda_lm.layers import block, norm
+from kda_lm.train import step as step_lib
+
+_MODEL = flags.DEFINE_string("model", "tiny", "Widths: tiny, kimi.")
+_LAYERS = flags.DEFINE_integer("layers", 4, "Layers of the pattern.")
+_EXPERTS = flags.DEFINE_integer("experts", 16, "Routed experts.")
+_TOP_K = flags.DEFINE_integer("top_k", 8, "Experts per token.")
+_B = flags.DEFINE_integer("batch", 1, "Rows per step.")
+_T = flags.DEFINE_integer("seq_len", 4096, "Tokens per row.")
+_REMAT = flags.DEFINE_string("remat", "none", "config.train.remat.")
+_CHUNKS = flags.DEFINE_integer("loss_chunks", 8, "config.train.loss_chunks.")
+_KDA = flags.DEFINE_string("kda_impl", "auto", "model.kda_impl.")
+_MOE = flags.DEFINE_string("moe_impl", "auto", "model.moe_impl.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed steps (median).")
+_PARTS = flags.DEFINE_bool("parts", False, "Also time each part alone.")
+_JSON = flags.DEFINE_string("json", None, "Also write the results here.")
+
+
+def model_config():
+  m = compile_mesh.model_config(_LAYERS.value, _MODEL.value)
+  m.num_experts, m.num_experts_per_tok = _EXPERTS.value, _TOP_K.value
+  if m.num_experts % m.n_group or m.num_experts_per_tok > (
+      m.num_experts // m.n_group * m.topk_group):
+    m.n_group = m.topk_group = 1    # Group-limited routing does not fit.
+  m.kda_impl, m.moe_impl = _KDA.value, _MOE.value
+  m.compute_dtype = "bfloat16"
+  return m
+
+
+def timed(fn, args, repeats):
+  """(median seconds, compile seconds) of a jitted `fn` on `args`."""
+  start = time.perf_counter()
+  compiled = fn.lower(*args).compile()
+  compile_s = time.perf_counter() - start
+  jax.block_until_ready(compiled(*args))
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - t)
+  return statistics.median(times), compile_s
+
+
+def matmul_rate():
+  n = 8192 if jax.default_backend() != "cpu" else 2048
+  a = jnp.ones((n, n), jnp.bfloat16)
+  sec, _ = timed(jax.jit(lambda x: x @ x), (a,), 5)
+  return 2 * n ** 3 / sec
+
+
+def batch_for(B, T, vocab):
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, vocab, (B, T)), jnp.int32)
+  seg = jnp.asarray(np.broadcast_to(1 + np.arange(T) // 2048, (B, T)),
+                    jnp.int32)
+  pos = jnp.asarray(np.broadcast_to(np.arange(T) % 2048, (B, T)), jnp.int32)
+  return dict(inputs=tokens, targets=tokens, segment_ids=seg, positions=pos,
+              loss_mask=jnp.ones((B, T), jnp.float32))
+
+
+def whole_step(m, B, T):
+  """The jitted update and its (state, batch); returns a dict of results."""
+  model = model_lib.build(m, remat=_REMAT.value)
+  tx, schedule = optimizer.make_optimizer(ling3.get_config().opt, 100)
+  state = jax.jit(state_lib.make_init_fn(model, tx, T))(jax.random.key(0))
+  batch = batch_for(B, T, m.vocab_size)
+  update = jax.jit(step_lib.make_update_fn(model, tx, schedule, m, 1,
+                                           _CHUNKS.value), donate_argnums=0)
+  start = time.perf_counter()
+  compiled = update.lower(state, batch).compile()
+  compile_s = time.perf_counter() - start
+  state, _ = compiled(state, batch)
+  jax.block_until_ready(state)
+  times = []
+  for _ in range(_REPEATS.value):
+    t = time.perf_counter()
+    state, _ = compiled(state, batch)
+    jax.block_until_ready(state)
+    times.append(time.perf_counter() - t)
+  mem = jax.devices()[0].memory_stats() or {}
+  return dict(step_s=statistics.median(times), compile_s=compile_s,
+              peak_bytes=mem.get("peak_bytes_in_use"),
+              params=state.params, tx=tx)
+
+
+def _grad_time(fn, params, *inputs):
+  """Forward+backward seconds of a Haiku function's scalar loss."""
+  loss = lambda p, *x: jnp.sum(fn.apply(p, None, *x).astype(jnp.float32))
+  wrt = (0,) + tuple(i + 1 for i, a in enumerate(inputs)
+                     if jnp.issubdtype(a.dtype, jnp.inexact))
+  grad = jax.jit(jax.grad(loss, argnums=wrt))
+  return timed(grad, (params,) + inputs, _REPEATS.value)[0]
+
+
+def part_times(m, B, T, params, tx):
+  """{part: seconds} of each part alone (times its count of layers)."""
+  cfg = config_lib.ModelConfig.from_config(m)
+  batch = batch_for(B, T, m.vocab_size)
+  seg, pos = batch["segment_ids"], batch["positions"]
+  x = jnp.asarray(np.random.default_rng(1).standard_normal(
+      (B, T, cfg.d_model)), jnp.bfloat16)
+  out = {}
+  counts = {}
+  for i, kind in enumerate(cfg.attention_pattern):
+    mixer = "KDA mixer" if kind == "K" else "MLA mixer"
+    counts[mixer] = counts.get(mixer, 0) + 1
+    ffn = "MoE feed-forward" if cfg.is_moe_layer(i) else "dense feed-forward"
+    counts[ffn] = counts.get(ffn, 0) + 1
+  for name, count in counts.items():
+    if name.endswith("mixer"):
+      kind = "K" if name.startswith("KDA") else "M"
+      fn = hk.transform(lambda h, s, p, k=kind: block.mixer(k, cfg, h, s, p))
+      args = (x, seg, pos)
+    else:
+      moe = name.startswith("MoE")
+      fn = hk.transform(lambda h, s, e=moe: block.ffn(cfg, e, h, s)[0])
+      args = (x, seg)
+    p = fn.init(jax.random.key(0), *args)
+    out[name] = count * _grad_time(fn, p, *args)
+
+  def head_loss(tokens):
+    emb = hk.Embed(cfg.vocab_size, cfg.d_model, name="embed")(tokens)
+    h = norm.RMSNorm(cfg.norm_eps, jnp.float32, name="final_norm")(
+        emb.astype(jnp.bfloat16))
+    w = hk.get_parameter("w", [cfg.d_model, cfg.vocab_size], jnp.float32,
+                         init=hk.initializers.RandomNormal(0.02))
+    loss, _, _ = losses.loss_terms(h, batch, w.astype(jnp.bfloat16),
+                                   _CHUNKS.value)
+    return loss
+
+  fn = hk.transform(head_loss)
+  p = fn.init(jax.random.key(0), batch["inputs"])
+  out["embedding, head and loss"] = _grad_time(fn, p, batch["inputs"])
+  grads = jax.tree.map(jnp.zeros_like, params)
+  opt_state = tx.init(params)
+  apply = jax.jit(lambda g, s, p: optax.apply_updates(
+      p, tx.update(g, s, p)[0]))
+  out["AdamW update"] = timed(apply, (grads, opt_state, params),
+                              _REPEATS.value)[0]
+  return out
+
+
+def main(argv):
+  del argv
+  m = model_config()
+  B, T = _B.value, _T.value
+  device = jax.devices()[0]
+  print(f"device: {device.device_kind} x {jax.device_count()}; model "
+        f"{_MODEL.value} {m.attention_pattern}, E={m.num_experts} "
+        f"top-{m.num_experts_per_tok}, B={B}, T={T}, remat {_REMAT.value}, "
+        f"loss in {_CHUNKS.value}, kda {_KDA.value}, moe {_MOE.value}",
+        flush=True)
+  rate = matmul_rate()
+  r = whole_step(m, B, T)
+  step_flops = flops.step_flops(m, B, T, r["params"])
+  peak = flops.peak_flops(device.device_kind)
+  per_device = step_flops / r["step_s"] / jax.device_count()
+  rows = [("compile s", f"{r['compile_s']:.1f}"),
+          ("step ms", f"{1e3 * r['step_s']:.1f}"),
+          ("tokens/s", f"{B * T / r['step_s']:,.0f}"),
+          ("TFLOP/s per device", f"{per_device / 1e12:.1f}"),
+          ("MFU of the bf16 peak", f"{100 * per_device / peak:.1f}%"
+           if peak else "-"),
+          ("of this run's matmul rate", f"{100 * per_device / rate:.1f}%"),
+          ("peak memory GiB", f"{r['peak_bytes'] / 2**30:.2f}"
+           if r["peak_bytes"] else "-")]
+  print("\n| quantity | value |\n| --- | --- |")
+  for k, v in rows:
+    print(f"| {k} | {v} |")
+  result = dict(rows)
+  if _PARTS.value:
+    parts = part_times(m, B, T, r["params"], r["tx"])
+    total = sum(parts.values())
+    print("\n| part (forward+backward) | ms | share of the step |\n"
+          "| --- | --- | --- |")
+    for name, sec in parts.items():
+      print(f"| {name} | {1e3 * sec:.1f} | {100 * sec / r['step_s']:.0f}% |")
+    print(f"| sum of the parts | {1e3 * total:.1f} | "
+          f"{100 * total / r['step_s']:.0f}% |")
+    result["parts_ms"] = {k: 1e3 * v for k, v in parts.items()}
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
