@@ -322,6 +322,23 @@ def generate(decoder: Decoder, params: hk.Params,
   stats.update(prefill_tokens=int(tokens.size),
                prefill_s=time.time() - start, first_step_s=0.0,
                decode_steps=0, decode_s=0.0)
+  generated = _decode_loop(decoder, params, logits_BW, cache, sample, rng,
+                           max_new_tokens, end_token, progress, stats)
+  rows = []
+  for row in generated.tolist():
+    if end_token is not None and end_token in row:
+      row = row[:row.index(end_token)]
+    rows.append(row)
+  return rows
+
+
+def _decode_loop(decoder, params, logits_BW, cache, sample, rng,
+                 max_new_tokens, end_token, progress, stats) -> np.ndarray:
+  """Samples and steps up to `max_new_tokens` times: [B, new] token ids.
+
+  The first step compiles: `stats["first_step_s"]` holds it, and the
+  decode clock (`decode_steps`, `decode_s`, `progress`) starts after it.
+  """
   out, steady, last_report = [], None, time.time()
   for i in range(max_new_tokens):
     rng, key = jax.random.split(rng)
@@ -334,7 +351,7 @@ def generate(decoder: Decoder, params: hk.Params,
       break
     step_start = time.time()
     logits_BW, cache = decoder.step(params, next_B, cache)
-    if steady is None:   # The first step compiles: the clock starts after.
+    if steady is None:
       jax.block_until_ready(logits_BW)
       steady = last_report = time.time()
       stats["first_step_s"] = steady - step_start
@@ -347,9 +364,4 @@ def generate(decoder: Decoder, params: hk.Params,
   generated = np.asarray(jnp.stack(out, axis=1))
   if steady is not None:
     stats["decode_s"] = time.time() - steady
-  rows = []
-  for row in generated.tolist():
-    if end_token is not None and end_token in row:
-      row = row[:row.index(end_token)]
-    rows.append(row)
-  return rows
+  return generated
