@@ -61,6 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import timing
 from kda_lm import testing
 from kda_lm.ops import chunk_kda
 from kda_lm.ops.kda import api, common
@@ -99,16 +100,7 @@ MIB = 2.0 ** 20
 
 def matmul_gflops(n=2048, repeats=3):
   """This machine's large-matmul rate: an n x n float32 matmul."""
-  a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)),
-                  jnp.float32)
-  f = jax.jit(lambda x: x @ x)
-  jax.block_until_ready(f(a))
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(f(a))
-    times.append(time.perf_counter() - t)
-  return 2 * n ** 3 / statistics.median(times) / 1e9
+  return timing.matmul_rate(n, jnp.float32, repeats) / 1e9
 
 
 @dataclasses.dataclass

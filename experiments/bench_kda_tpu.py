@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import timing
 from kda_lm import testing
 from kda_lm.ops import chunk_kda
 from kda_lm.ops.kda import common, pallas
@@ -140,16 +141,7 @@ def inputs(B, T, H, D, doc_len, seed=0):
 
 def matmul_tflops(n=8192, repeats=5):
   """This device's rate on an n^3 bfloat16 matmul, TFLOP/s."""
-  a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)),
-                  jnp.bfloat16)
-  f = jax.jit(lambda x: x @ x)
-  jax.block_until_ready(f(a))
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(f(a))
-    times.append(time.perf_counter() - t)
-  return 2 * n ** 3 / statistics.median(times) / 1e12
+  return timing.matmul_rate(n, jnp.bfloat16, repeats) / 1e12
 
 
 def time_programs(programs, repeats):

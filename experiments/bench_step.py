@@ -37,7 +37,7 @@ import numpy as np
 import optax
 
 from configs import ling3
-from experiments import compile_mesh
+from experiments import compile_mesh, timing
 from kda_lm import config as config_lib
 from kda_lm import flops, losses, optimizer
 from kda_lm import model as model_lib
@@ -76,20 +76,11 @@ def timed(fn, args, repeats):
   start = time.perf_counter()
   compiled = fn.lower(*args).compile()
   compile_s = time.perf_counter() - start
-  jax.block_until_ready(compiled(*args))
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - t)
-  return statistics.median(times), compile_s
+  return timing.median_seconds(compiled, args, repeats), compile_s
 
 
 def matmul_rate():
-  n = 8192 if jax.default_backend() != "cpu" else 2048
-  a = jnp.ones((n, n), jnp.bfloat16)
-  sec, _ = timed(jax.jit(lambda x: x @ x), (a,), 5)
-  return 2 * n ** 3 / sec
+  return timing.matmul_rate(8192 if jax.default_backend() != "cpu" else 2048)
 
 
 def batch_for(B, T, vocab):
