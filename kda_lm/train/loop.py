@@ -212,7 +212,7 @@ class _Run:
     logging.info("Workdir %s; %d devices (%s), %d processes.", workdir,
                  jax.device_count(), jax.devices()[0].platform,
                  jax.process_count())
-    # Start-up phases (name, seconds), logged once step 1 has run.
+    # Start-up phases (name, seconds), logged after the first step.
     self.phases = [("imports and config", start_time - kda_lm.IMPORTED_AT)]
     mark = time.time()
     mesh = sharding.make_mesh(cfg.mesh)
