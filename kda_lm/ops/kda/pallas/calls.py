@@ -362,7 +362,7 @@ def _tpu_family(q, k, v, g, beta, masks, h0, scale, options, input_dtype):
       precision=prec, vmem_bytes=options.vmem_limit_mib << 20,
       interpret=options.interpret,
       qkv_bf16=input_dtype == jnp.bfloat16 and prec.chunk == "bf16")
-  return tpu.kda_tpu(q, k, v, g, beta, masks, h0, scale, cfg)
+  return tpu.kda_tpu(q, k, v, g, beta, masks, h0, cfg)
 
 
 def _generic(q, k, v, g, beta, masks, h0, scale, options):

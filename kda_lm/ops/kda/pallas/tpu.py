@@ -282,7 +282,7 @@ def _round_up(x, m):
   return -(-x // m) * m
 
 
-def kda_tpu(q, k, v, g, beta, masks, h0, scale, cfg):
+def kda_tpu(q, k, v, g, beta, masks, h0, cfg):
   """Chunked KDA over canonical inputs (see `common`) with the TPU kernels.
 
   Args:
@@ -291,14 +291,13 @@ def kda_tpu(q, k, v, g, beta, masks, h0, scale, cfg):
     beta: [B,T,H] float32.
     masks: `common.Segments`.
     h0: [B,H,K,V] float32.
-    scale: float multiplying q (unused: `cfg.scale` is applied).
-    cfg: `Config`; with `qkv_bf16` the (normalised, scaled) q, k and v
-      enter the kernels in bfloat16, and their gradients leave in it.
+    cfg: `Config` (its `scale` multiplies q); with `qkv_bf16` the
+      (normalised, scaled) q, k and v enter the kernels in bfloat16, and
+      their gradients leave in it.
 
   Returns:
     o [B,T,H,V] float32 (zero at padding) and the final state [B,H,K,V].
   """
-  del scale
   B, T, H, K = q.shape
   V = v.shape[-1]
   Tp = _round_up(T, C)
