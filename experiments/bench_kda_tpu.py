@@ -6,6 +6,8 @@ kernel-options variant), impl "xla", and JAX's splash attention (causal,
 with the same segment ids) at the same shapes: H heads, K = V = head_dim,
 bfloat16 inputs, the bounded gate computed in the kernel (lower_bound -5,
 `safe_gate`), in-kernel q/k L2 norm, one document per `--doc_len` tokens.
+The KDA inputs are token-major [B,T,H*K], as the KDA layer has them (see
+`kda_program`).
 The programs of a row length are timed alternately (`--repeats` rounds,
 the median reported), after the same run has measured its own matmul rate
 (an 8192^3 bfloat16 matmul). Prints a markdown table: ms, tokens/s, chunk
@@ -72,23 +74,31 @@ def parse_variants(text, base):
 
 
 def kda_program(impl, options, backward):
-  """jit of the forward (o) or of the gradient of sum(o * do)."""
+  """jit of the forward (o) or of the gradient of sum(o * do).
+
+  q, k, v, g and do arrive token-major, [B,T,H*K], and are reshaped to
+  [B,T,H,K] inside the program, as the KDA layer feeds the op (its
+  projections produce [B,T,H*K]); do is bfloat16, like the cotangent the
+  layer's output projection sends back.
+  """
   static = dict(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True,
                 use_qk_l2norm_in_kernel=True, impl=impl)
   if options is not None:
     static["pallas_options"] = options
 
   def forward(p, seg):
-    o, _ = chunk_kda(p["q"], p["k"], p["v"], p["g"], p["beta"],
-                     A_log=p["A_log"], dt_bias=p["dt_bias"],
-                     segment_ids=seg, **static)
-    return o
+    H = p["A_log"].shape[0]
+    heads = lambda x: x.reshape(x.shape[:2] + (H, -1))
+    o, _ = chunk_kda(heads(p["q"]), heads(p["k"]), heads(p["v"]),
+                     heads(p["g"]), p["beta"], A_log=p["A_log"],
+                     dt_bias=p["dt_bias"], segment_ids=seg, **static)
+    return o.reshape(o.shape[:2] + (-1,))
 
   if not backward:
     return jax.jit(forward)
 
   def loss(p, seg, do):
-    return jnp.sum(forward(p, seg).astype(jnp.float32) * do)
+    return jnp.sum((forward(p, seg) * do).astype(jnp.float32))
 
   return jax.jit(jax.grad(loss))
 
@@ -125,17 +135,19 @@ def splash_program(B, T, H, backward, block):
 
 
 def inputs(B, T, H, D, doc_len, seed=0):
-  """bfloat16 KDA inputs (bounded gate), splash inputs, ids, cotangents."""
+  """bfloat16 KDA inputs, token-major [B,T,H*D] (bounded gate); splash
+  inputs [B,H,T,D]; ids; the output cotangent (KDA [B,T,H*D])."""
   rng = np.random.default_rng(seed)
   raw, _ = testing.kda_inputs(rng, B, T, H, D, D, gate="safe", l2norm=True,
                               h0=False)
   kda = {n: jnp.asarray(x, jnp.float32 if n in ("A_log", "dt_bias")
                         else jnp.bfloat16) for n, x in raw.items()}
-  to_bhtd = lambda x: jnp.transpose(x, (0, 2, 1, 3))
-  splash = {n: to_bhtd(kda[n]) for n in ("q", "k", "v")}
+  splash = {n: jnp.transpose(kda[n], (0, 2, 1, 3)) for n in ("q", "k", "v")}
+  for n in ("q", "k", "v", "g"):
+    kda[n] = kda[n].reshape(B, T, H * D)
   seg = jnp.asarray(np.broadcast_to(
       1 + np.arange(T) // doc_len, (B, T)).astype(np.int32))
-  do = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+  do = jnp.asarray(rng.standard_normal((B, T, H * D)), jnp.bfloat16)
   return kda, splash, seg, do
 
 
@@ -184,7 +196,8 @@ def rows_for_length(T, variants, rate, repeats):
       programs[("xla", mode)] = (kda_program("xla", None, bwd),
                                  (kda, seg) + extra)
     if _SPLASH.value and T <= _SPLASH_MAX_T.value:
-      sdo = (jnp.transpose(do, (0, 2, 1, 3)),) if bwd else ()
+      sdo = (jnp.transpose(do.reshape(B, T, H, D), (0, 2, 1, 3)),) \
+          if bwd else ()
       for block in (512, None):
         label = f"{block} tiles" if block else "default tiles"
         programs[(f"splash causal, {label}", mode)] = (

@@ -457,6 +457,75 @@ def test_tpu_family_matches_reference(heads, inverse_heads):
   check_padding(params, PACKED_IDS, got)
 
 
+def test_tpu_family_without_norm_or_bias_matches_reference():
+  """The in-kernel preparation's other settings: no q/k norm (k normalised
+  by the caller, q raw) and no dt_bias, against the reference."""
+  params, static, do, dht = make_inputs(1, 2, PACKED_T, gate="safe")
+  params = dict(params)
+  del params["dt_bias"]
+  k = params["k"]
+  params["k"] = k / np.sqrt(np.sum(k * k, -1, keepdims=True) + 1e-6)
+  static = dict(static, use_qk_l2norm_in_kernel=False)
+  want = fwd_and_grads("reference", params, PACKED_IDS, do, dht, **static)
+  got = fwd_and_grads("pallas", params, PACKED_IDS, do, dht, **static,
+                      pallas_options=TPU_CPU)
+  _compare(params, got, want)
+  check_padding(params, PACKED_IDS, got)
+
+
+def test_tpu_family_bfloat16_inputs_keep_their_dtype():
+  """bfloat16 q, k, v, g: o and their gradients come out in bfloat16
+  (written so by the kernels), near the float32 reference."""
+  params, static, do, dht, want = bounded_results()
+  bf = {n: (x.astype(jnp.bfloat16) if n in ("q", "k", "v", "g") else x)
+        for n, x in params.items()}
+  got = fwd_and_grads("pallas", bf, PACKED_IDS, do, dht, **static,
+                      pallas_options=TPU_CPU)
+  assert got[0].dtype == jnp.bfloat16
+  for n in ("q", "k", "v", "g"):
+    assert got[2][n].dtype == jnp.bfloat16, n
+  _check("o", got[0].astype(np.float32), want[0], 1e-2)
+  for n in FIELDS:
+    _check("d" + n, got[2][n].astype(np.float32), want[2][n], 1e-2)
+
+
+def test_tpu_family_prepares_the_raw_inputs_in_its_kernels():
+  """The q/k norm and the gate run inside the kernels: outside them, the
+  traced forward and gradient hold no rsqrt, logistic or exp over tokens,
+  and the kernels read the raw [B,T,H*K] inputs in their own dtype."""
+  params, static, _, _ = make_inputs(0, 1, 128, gate="safe")
+  p = {n: jnp.asarray(x, jnp.bfloat16 if n in ("q", "k", "v", "g") else
+                      jnp.float32) for n, x in params.items()}
+
+  def fwd(p):
+    o = chunk_kda(**p, impl="pallas", pallas_options=TPU_CPU, **static)[0]
+    return jnp.sum(o.astype(jnp.float32))
+
+  for fn in (fwd, jax.grad(fwd)):
+    jaxpr = jax.make_jaxpr(fn)(p).jaxpr
+    outside, kernel_inputs = [], []
+
+    def walk(jaxpr):
+      for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+          kernel_inputs.append([v.aval.dtype for v in eqn.invars[:4]])
+          continue
+        if eqn.primitive.name in ("rsqrt", "logistic", "exp") and max(
+            v.aval.size for v in eqn.invars) > 1024:
+          outside.append(eqn.primitive.name)
+        for value in eqn.params.values():
+          for sub in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(sub, jax.extend.core.ClosedJaxpr):
+              walk(sub.jaxpr)
+            elif isinstance(sub, jax.extend.core.Jaxpr):
+              walk(sub)
+
+    walk(jaxpr)
+    assert not outside, outside
+    assert kernel_inputs and all(d == [jnp.bfloat16] * 4
+                                 for d in kernel_inputs), kernel_inputs
+
+
 def test_tpu_family_bf16_dots_within_tolerances():
   """The TPU default: bfloat16 chunk and state dots, the gate gradient's
   products at "bf16_3x" (with bfloat16 operands there dg alone reaches

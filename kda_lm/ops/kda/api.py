@@ -208,25 +208,29 @@ def _kda_core(q, k, v, g, beta, segment_ids, initial_state, A_log, dt_bias, *,
   """Canonicalises and runs one implementation. Returns f32 (o, state)."""
   B, T, H, K = q.shape
   V = v.shape[-1]
-  input_dtype = q.dtype
   if segment_ids is None:
     segment_ids = jnp.ones((B, T), jnp.int32)
   masks = common.segments_from_ids(segment_ids)
-  q, k, v, g, beta = common.canonicalize(
-      q, k, v, g, beta, masks, A_log=A_log, dt_bias=dt_bias,
-      lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
-      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
   if initial_state is None:
     h0 = jnp.zeros((B, H, K, V), jnp.float32)
   else:
     h0 = initial_state.astype(jnp.float32)
+  if impl == "pallas" and pallas.uses_tpu_family(pallas_options, lower_bound):
+    # The TPU kernels prepare the raw inputs themselves.
+    o, state = pallas.kda_tpu(
+        q, k, v, g, beta, masks, h0, A_log, dt_bias, scale=scale,
+        lower_bound=lower_bound, l2norm=use_qk_l2norm_in_kernel,
+        options=pallas_options)
+    return o.astype(jnp.float32), state
+  q, k, v, g, beta = common.canonicalize(
+      q, k, v, g, beta, masks, A_log=A_log, dt_bias=dt_bias,
+      lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
+      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
   if impl == "reference":
     return reference.kda_recurrent(q, k, v, g, beta, masks, h0, scale)
   if impl == "pallas":
     return pallas.kda_pallas(q, k, v, g, beta, masks, h0, scale,
-                             options=pallas_options,
-                             bounded=lower_bound is not None,
-                             input_dtype=input_dtype)
+                             options=pallas_options)
   return xla.kda_chunked(q, k, v, g, beta, masks, h0, scale,
                          chunk_size=chunk_size, safe_gate=safe_gate)
 

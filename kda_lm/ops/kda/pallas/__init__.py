@@ -84,4 +84,6 @@ KernelOptions = options.KernelOptions
 for_platform = options.for_platform
 default_options = options.default_options
 kda_pallas = calls.kda_pallas
+kda_tpu = calls.kda_tpu
+uses_tpu_family = calls.uses_tpu_family
 unsupported_reason = calls.unsupported_reason

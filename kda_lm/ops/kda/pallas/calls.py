@@ -13,7 +13,7 @@ from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
 from kda_lm import segments
-from kda_lm.ops.kda.pallas import backward, forward, tpu
+from kda_lm.ops.kda.pallas import backward, forward, tpu, tpu_chunk
 from kda_lm.ops.kda.pallas import helpers as hp
 from kda_lm.ops.kda.pallas import options as options_lib
 
@@ -317,52 +317,62 @@ def _pow2(n):
   return max(16, 1 << (n - 1).bit_length())
 
 
-def kda_pallas(q, k, v, g, beta, masks, h0, scale, *, options=None,
-               bounded=False, input_dtype=jnp.float32):
-  """Chunked KDA over canonical inputs with the Pallas kernels.
+def kda_pallas(q, k, v, g, beta, masks, h0, scale, *, options=None):
+  """Chunked KDA over canonical inputs with the generic Pallas kernels.
 
-  With `options.family == "tpu"` and `bounded` gates the TPU kernels run
-  (`tpu.kda_tpu`, lowered for TPU only); otherwise the generic kernels.
+  (The "tpu" family takes the raw inputs instead: `kda_tpu`.)
 
   Args:
     q, k, g: [B,T,H,K] float32, zero at padding (see `common`).
     v: [B,T,H,V] float32.
     beta: [B,T,H] float32.
-    segs: `common.Segments`.
+    masks: `common.Segments`.
     h0: [B,H,K,V] float32.
     scale: float multiplying q.
     options: `KernelOptions`; None means `options.default_options()`.
-    bounded: every gate is >= -5 (the bounded gate form).
-    input_dtype: the caller's dtype of q, k, v: with bfloat16 and bfloat16
-      chunk dots, the TPU kernels read q, k, v in bfloat16.
 
   Returns:
     o [B,T,H,V] float32 (zero at padding) and the final state [B,H,K,V].
   """
-  B, T, H, K = q.shape
-  V = v.shape[-1]
+  K, V = q.shape[-1], v.shape[-1]
   reason = unsupported_reason(K, V, hp.CHUNK)
   if reason:
     raise NotImplementedError(reason)
   if options is None:
     options = options_lib.default_options()
-  if options.family == "tpu" and bounded:
-    return _tpu_family(q, k, v, g, beta, masks, h0, scale, options,
-                       input_dtype)
   return _generic(q, k, v, g, beta, masks, h0, scale, options.generic())
 
 
-def _tpu_family(q, k, v, g, beta, masks, h0, scale, options, input_dtype):
-  """The TPU kernels (Mosaic only, or interpreted)."""
-  prec = options.tpu_precisions()
+def uses_tpu_family(options, lower_bound):
+  """Whether `chunk_kda(impl="pallas")` runs the "tpu" family: its options
+  ask for it and the gate is the bounded one (`lower_bound` set)."""
+  if options is None:
+    options = options_lib.default_options()
+  return options.family == "tpu" and lower_bound is not None
+
+
+def kda_tpu(q, k, v, g, beta, masks, h0, A_log, dt_bias, *, scale,
+            lower_bound, l2norm, options=None):
+  """Chunked KDA with the "tpu" family from the raw inputs of `chunk_kda`
+  (in-kernel bounded gate; the q/k norm when `l2norm`); see `tpu.kda_tpu`.
+
+  Returns:
+    o [B,T,H,V] in q's dtype (zero at padding), final state [B,H,K,V].
+  """
+  reason = unsupported_reason(q.shape[-1], v.shape[-1], hp.CHUNK)
+  if reason:
+    raise NotImplementedError(reason)
+  if options is None:
+    options = options_lib.default_options()
   cfg = tpu.Config(
-      scale=float(scale), heads=options.heads_per_program,
+      prep=tpu_chunk.Prep(scale=float(scale), lower_bound=float(lower_bound),
+                           l2norm=bool(l2norm)),
+      heads=options.heads_per_program,
       bwd_heads=options.bwd_heads_per_program,
       inverse_heads=options.inverse_heads,
-      precision=prec, vmem_bytes=options.vmem_limit_mib << 20,
-      interpret=options.interpret,
-      qkv_bf16=input_dtype == jnp.bfloat16 and prec.chunk == "bf16")
-  return tpu.kda_tpu(q, k, v, g, beta, masks, h0, cfg)
+      precision=options.tpu_precisions(),
+      vmem_bytes=options.vmem_limit_mib << 20, interpret=options.interpret)
+  return tpu.kda_tpu(q, k, v, g, beta, masks, h0, A_log, dt_bias, cfg)
 
 
 def _generic(q, k, v, g, beta, masks, h0, scale, options):

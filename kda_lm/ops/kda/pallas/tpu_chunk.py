@@ -56,6 +56,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from kda_lm.ops.kda import common
+
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 CHUNK = 64
@@ -157,6 +159,7 @@ class Masks(NamedTuple):
   off: tuple           # per sub-block i: [C,1] bool, rows before it in the
   #                      segment of its first row (None for i = 0)
   row: jax.Array       # [C,1] int32 row index
+  keep: jax.Array      # [C,1] bool: not padding
 
 
 def chunk_masks(seg):
@@ -190,7 +193,8 @@ def chunk_masks(seg):
       off.append((row < i * SUB) & (run_col == anchor))
   return Masks(gl=gl, qk=le.astype(F32), kk=(same & (s < r)).astype(F32),
                first=first, last=last, carry=first[C - 1:C, :],
-               diag=tuple(diag), off=tuple(off), row=row)
+               diag=tuple(diag), off=tuple(off), row=row,
+               keep=row_to_col(seg[3:4, :]) > 0.5)
 
 
 def _exp_where(mask, x):
@@ -465,3 +469,83 @@ def _products_backward(it, daqk, dakk, masks, precision):
   dL = jnp.concatenate(dL_rows, axis=0) + dL_col
   return (jnp.concatenate(dq_rows, axis=0), jnp.concatenate(dk_rows, axis=0),
           dk_col, dG, dL)
+
+
+# The raw inputs of one chunk and head, and their preparation in the kernel:
+# the q/k L2 norm, the query scale, the bounded gate and the zeroing of
+# padding (`common.canonicalize` does the same outside the kernel for the
+# other implementations).
+
+
+class Prep(NamedTuple):
+  """Static settings of the preparation (hashable)."""
+  scale: float        # multiplies the (normalised) q
+  lower_bound: float  # the bounded gate's floor, in [-5, 0)
+  l2norm: bool        # L2-normalise q and k
+
+
+class Gate(NamedTuple):
+  """One head's gate parameters: g = lower_bound sigmoid(a (g_raw + bias))."""
+  a: jax.Array     # [1,K] exp(A_log) of the head, on every lane
+  bias: jax.Array  # [1,K] the head's dt_bias (zeros without one)
+
+
+class Saved(NamedTuple):
+  """What the backward of `prepare` needs."""
+  rq: jax.Array  # [C,1] 1 / |q| (ones without the norm)
+  rk: jax.Array  # [C,1] 1 / |k|
+  x: jax.Array   # [C,K] g_raw + bias
+  s: jax.Array   # [C,K] sigmoid(a x)
+
+
+def _inv_norm(x, on):
+  if not on:
+    return jnp.ones((x.shape[0], 1), F32)
+  return lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + common.L2NORM_EPS)
+
+
+def prepare(raw, gate, keep, prep):
+  """The `Head` of one chunk from its raw float32 `Head` (q, k, v, the raw
+  gate and beta as given to `chunk_kda`), and what its backward needs."""
+  rq, rk = _inv_norm(raw.q, prep.l2norm), _inv_norm(raw.k, prep.l2norm)
+  x = raw.g + gate.bias
+  s = 1.0 / (1.0 + jnp.exp(-(gate.a * x)))
+  zero = lambda y: jnp.where(keep, y, 0.0)
+  head = Head(q=zero(raw.q * rq * prep.scale), k=zero(raw.k * rk),
+              v=zero(raw.v), g=zero(prep.lower_bound * s),
+              beta_col=zero(raw.beta_col))
+  return head, Saved(rq=rq, rk=rk, x=x, s=s)
+
+
+class RawGrads(NamedTuple):
+  """Gradients of one chunk and head with respect to the raw inputs."""
+  dq: jax.Array     # [C,K]
+  dk: jax.Array     # [C,K]
+  dv: jax.Array     # [C,V]
+  dg: jax.Array     # [C,K] of the raw gate
+  dbeta: jax.Array  # [C,1]
+  da: jax.Array     # [1,K] of `Gate.a`, summed over the chunk
+  dbias: jax.Array  # [1,K] of `Gate.bias`, summed over the chunk
+  dS: jax.Array     # [K,V] cotangent of the state entering the chunk
+
+
+def _norm_backward(x, r, dy, on):
+  """d/dx of y = x r (r = 1/|x|) given dy."""
+  if not on:
+    return dy
+  y = x * r
+  return r * (dy - y * jnp.sum(y * dy, axis=1, keepdims=True))
+
+
+def prepare_backward(raw, saved, grads, gate, keep, prep):
+  """Chains one head's `Grads` (of its prepared `Head`) to the raw inputs."""
+  zero = lambda y: jnp.where(keep, y, 0.0)
+  dq = _norm_backward(raw.q, saved.rq, prep.scale * grads.dq, prep.l2norm)
+  dk = _norm_backward(raw.k, saved.rk, grads.dk, prep.l2norm)
+  dz = zero(grads.dg * (prep.lower_bound * saved.s * (1.0 - saved.s)))
+  dx = dz * gate.a
+  return RawGrads(
+      dq=zero(dq), dk=zero(dk), dv=zero(grads.dv), dg=dx,
+      dbeta=zero(grads.dbeta),
+      da=jnp.sum(dz * saved.x, axis=0, keepdims=True),
+      dbias=jnp.sum(dx, axis=0, keepdims=True), dS=grads.dS)
