@@ -176,8 +176,9 @@ def kda_inputs(rng: np.random.Generator, B: int, T: int, H: int, K: int,
     rng: numpy Generator.
     B, T, H, K, V: the shapes.
     gate: "pre" (pre-activated logsigmoid gates), "softplus" (raw gates, the
-      in-kernel softplus form) or "safe" (raw gates, in-kernel
-      lower_bound=-5 form with safe_gate=True).
+      in-kernel softplus form), "safe" (raw gates, in-kernel
+      lower_bound=-5 form with safe_gate=True) or "floor" (as "safe", with
+      every gate within 1% of the floor -5).
     l2norm: use_qk_l2norm_in_kernel; when off, k is L2-normalised here (as
       in FLA's tests) so the delta rule stays contractive.
     h0: pass a random initial_state [B,H,K,V].
@@ -203,10 +204,12 @@ def kda_inputs(rng: np.random.Generator, B: int, T: int, H: int, K: int,
     params["A_log"] = np.log(rng.uniform(1, 16, H)).astype(np.float32)
     params["dt_bias"] = randn(H * K)
     static["use_gate_in_kernel"] = True
-  elif gate == "safe":
-    g = x
-    params["A_log"] = rng.uniform(-1, 1, H).astype(np.float32)
-    params["dt_bias"] = randn(H * K)
+  elif gate in ("safe", "floor"):  # floor: every gate within 1% of -5
+    floor = gate == "floor"
+    g = 4.6 + 0.5 * np.abs(x) if floor else x
+    params["A_log"] = (np.zeros(H) if floor else rng.uniform(-1, 1, H)
+                       ).astype(np.float32)
+    params["dt_bias"] = np.zeros(H * K) if floor else randn(H * K)
     static.update(use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True)
   else:
     raise ValueError(f"Unknown gate {gate!r}.")

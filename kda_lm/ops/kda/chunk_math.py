@@ -42,6 +42,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kda_lm.ops.kda import common
+
 _F32 = jnp.float32
 _NEG_INF = -jnp.inf
 
@@ -129,13 +131,13 @@ def _span(sub):
 
 class Decays(NamedTuple):
   """Decay factors of the decayed products (see `decay_factors`)."""
-  e_row: jax.Array      # [L...,nb,c,K] exp(L) <= 1
+  e_row: jax.Array      # [L...,nb,c,K] exp(L) (safe: times SAFE_BALANCE)
   e_col: jax.Array      # [L...,nb,c,K] exp(R) where the segment reaches the
-  #                       block end, else 0
+  #                       block end, else 0 (safe: over SAFE_BALANCE)
   e_between: jax.Array  # [L...,nb,nb,K] exp(sum of tot strictly between),
   #                       0 unless j < i
   diag: jax.Array       # exact: [L...,nb,c,c,K] pairwise exp(L_r - L_s),
-  #                       masked; safe: [L...,nb,c,K] exp(-L)
+  #                       masked; safe: [L...,nb,c,K] exp(-L) / balance
 
 
 def decay_factors(fr, *, safe):
@@ -150,14 +152,15 @@ def decay_factors(fr, *, safe):
   nb, sub = fr.L.shape[-3:-1]
   between = jnp.einsum("ijm,...mk->...ijk", _between_mask(nb), fr.tot)
   lower = jnp.tril(jnp.ones((nb, nb), bool), -1)[:, :, None]
+  bal = common.SAFE_BALANCE if safe else 1.0  # (see there)
   if safe:
-    diag = jnp.exp(-fr.L)
+    diag = jnp.exp(-fr.L) / bal
   else:
     tri = jnp.tril(jnp.ones((sub, sub), bool))
     diff = fr.L[..., :, None, :] - fr.L[..., None, :, :]      # [L,nb,c,c,K]
     diag = _masked_exp((tri & fr.same_b)[..., None], diff)
-  return Decays(e_row=jnp.exp(fr.L),
-                e_col=_masked_exp(fr.reach_end, fr.R),
+  return Decays(e_row=jnp.exp(fr.L) * bal,
+                e_col=_masked_exp(fr.reach_end, fr.R) / bal,
                 e_between=_masked_exp(lower, between), diag=diag)
 
 

@@ -22,7 +22,8 @@ below by -5, padding rows all zero):
            x_i is G[a_i - 1] - G for columns before the sub-block (a_i its
            first row; the anchor's segment only; <= 0) and -L on the
            sub-block (<= 80: the bounded gates make this factorisation
-           safe); masked to same-segment pairs s <= r (Aqk), s < r (Akk)
+           safe; row and column factors balanced, `common.SAFE_BALANCE`);
+           masked to same-segment pairs s <= r (Aqk), s < r (Akk)
   P      = (I + beta Akk)^-1 by blocked doubling: X = I - M at block size 2,
            then X <- X - X (M_b X) with M_b the coupling of the halves of
            each 2b-block, up to b = C/2 (exact block algebra, no series);
@@ -64,6 +65,7 @@ CHUNK = 64
 SUB = 16
 NEG_INF = -float("inf")
 PRECISIONS = ("highest", "bf16_3x", "bf16")
+BALANCE = common.SAFE_BALANCE   # row factors times it, columns over it
 
 
 def dot(a, b, dims, precision):
@@ -240,7 +242,7 @@ class Intra(NamedTuple):
   """The state-free quantities of one chunk and head."""
   G: jax.Array       # [C,K]
   L: jax.Array       # [C,K]
-  e_row: jax.Array   # [C,K] exp(L)
+  e_row: jax.Array   # [C,K] exp(L) * BALANCE
   left: tuple        # per sub-block: [2c,K] [q; k] rows * exp(L)
   cf: tuple          # per sub-block: [C,K] column factors exp(x_i)
   kc: tuple          # per sub-block: [C,K] k * cf
@@ -260,14 +262,14 @@ def intra(q, k, v, g, beta_col, masks, prec):
   nb = C // SUB
   gl = mask_mm(masks.gl, g)
   G, L = gl[:C], gl[C:]
-  e_row = jnp.exp(L)
+  e_row = jnp.exp(L) * BALANCE
   left, cf, kc, rows = [], [], [], []
   for i in range(nb):
     blk = slice(i * SUB, (i + 1) * SUB)
     x = jnp.where(masks.diag[i], -L, NEG_INF)
     if i:
       x = jnp.where(masks.off[i], G[i * SUB - 1:i * SUB, :] - G, x)
-    f = jnp.exp(x)
+    f = jnp.exp(x) * (1.0 / BALANCE)
     lf = jnp.concatenate([q[blk], k[blk]], axis=0) * jnp.concatenate(
         [e_row[blk], e_row[blk]], axis=0)
     left.append(lf)
