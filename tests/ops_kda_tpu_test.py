@@ -136,8 +136,10 @@ def test_changing_one_document_leaves_the_others_bit_identical():
 
 def test_gates_at_the_floor_float32_highest():
   """Every gate within 1% of -5 at K = V = 128 (the balanced factorisation,
-  `common.SAFE_BALANCE`), against the float64 recurrence on the host; gate
-  parameter tolerances as in the interpret-mode test of this case."""
+  `common.SAFE_BALANCE`), against the float64 recurrence on the host.
+  Measured on a v5e: o 2.7e-6, dg 3.3e-5, dA_log 2.9e-4, dt_bias 2.3e-4
+  (interpret mode on CPU: 1.4e-4 and 1.7e-4; why, there): 6e-4 for those
+  two sums."""
   rng = np.random.default_rng(11)
   params, static = testing.kda_inputs(rng, 1, 128, 2, 128, 128, gate="floor",
                                       l2norm=True)
@@ -152,5 +154,5 @@ def test_gates_at_the_floor_float32_highest():
   print(" ".join(f"{n}={e:.1e}" for n, e in errs.items()))
   for n, e in errs.items():
     tol = (FWD_TOL if n in ("o", "state") else
-           3e-4 if n in ("dA_log", "ddt_bias") else GRAD_TOL)
+           6e-4 if n in ("dA_log", "ddt_bias") else GRAD_TOL)
     assert e <= tol, (n, e)
