@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from experiments import bench_kda_tpu  # noqa: E402
 from kda_lm.ops.kda import pallas  # noqa: E402
 
-_IMPL = flags.DEFINE_enum("impl", "pallas", ["pallas", "xla"], "chunk_kda impl.")
+_IMPL = flags.DEFINE_enum("impl", "pallas", ["pallas", "xla"], "The impl.")
 _SHAPE = flags.DEFINE_list("shape", ["2", "8192", "16", "128"], "B,T,H,D.")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5e:2x2", "libtpu topology.")
 _TOP = flags.DEFINE_integer("top", 12, "Rows to list.")
