@@ -2,7 +2,8 @@
 
 For each fixture (`bailing_hybrid`, Ling 3.0; `kimi_linear`, Kimi Linear;
 `bailing_hybrid_yarn`, Ling with YaRN `rope_parameters` and
-`attention_bias`; `kimi_linear_bias`, Kimi with `attention_bias`) it builds
+`attention_bias`; `kimi_linear_bias`, Kimi with `attention_bias`;
+`bailing_hybrid_clamp`, Ling with per-layer SwiGLU clamps) it builds
 a tiny random model with `transformers` (two layer groups of KDA layers and
 an MLA layer, a dense first layer, grouped MoE, random norm weights, router
 biases, decay parameters and MLA biases), saves it with
@@ -18,6 +19,19 @@ packed row). It writes, per fixture, into `tests/testdata/hf/<name>/`:
                                    float64: the model's own float32
                                    rounding, ~1e-6 relative, stays out of
                                    the reference)
+
+SwiGLU clamps: Ling 3.0's `config.json` carries `expert_swiglu_limit_list`
+and `share_expert_swiglu_limit_list` (per layer, 0 = none), which its
+trained late layers need, but transformers' `bailing_hybrid` (5.24) does
+not read them. For `bailing_hybrid_clamp` the reference therefore applies
+them to the loaded torch model itself, in the form transformers' Step3p7
+model uses for the same fields and Ling's own serving ports describe:
+`silu(gate).clamp(max=L) * up.clamp(-L, L)`, routed and shared experts.
+
+It also writes `tests/testdata/hf/config_fields.json`: the fields of the
+two formats' config classes (`to_dict()` of a default config), which
+tests/hf_convert_test.py checks against `kda_lm.hf.formats`' lists of
+what kda-lm models, checks or ignores.
 
 It runs in its own environment (torch, transformers; the tests only read
 the files):
@@ -87,6 +101,62 @@ def ling_yarn_config():
       attention_bias=True, num_mtp_layers=0, rms_norm_eps=1e-6)
 
 
+# Clamps small enough to bind in the tiny random model (its SwiGLU inputs
+# are of order 0.1-1): per layer, 0 = none; layer 0 is dense.
+EXPERT_LIMITS = [0.0, 0.0, 0.0, 0.0, 0.0, 0.3, 0.3, 0.2]
+SHARED_LIMITS = [0.0, 0.0, 0.0, 0.0, 0.4, 0.4, 0.25, 0.25]
+
+
+def ling_clamp_config():
+  cfg = ling_config()
+  cfg.expert_swiglu_limit_list = list(EXPERT_LIMITS)
+  cfg.share_expert_swiglu_limit_list = list(SHARED_LIMITS)
+  return cfg
+
+
+def _clamped_experts_forward(experts, limit):
+  """`BailingHybridExperts.forward` with the clamped SwiGLU."""
+  def forward(hidden_states, top_k_index, top_k_weights):
+    out = torch.zeros_like(hidden_states)
+    for e in range(experts.num_experts):
+      tok, pos = torch.where(top_k_index == e)
+      if tok.numel() == 0:
+        continue
+      gate, up = torch.nn.functional.linear(
+          hidden_states[tok], experts.gate_up_proj[e]).chunk(2, dim=-1)
+      h = experts.act_fn(gate).clamp(max=limit) * up.clamp(-limit, limit)
+      h = torch.nn.functional.linear(h, experts.down_proj[e])
+      out.index_add_(0, tok, (h * top_k_weights[tok, pos, None]).to(
+          out.dtype))
+    return out
+  return forward
+
+
+def _clamped_mlp_forward(mlp, limit):
+  def forward(x):
+    h = mlp.act_fn(mlp.gate_proj(x)).clamp(max=limit) * mlp.up_proj(
+        x).clamp(-limit, limit)
+    return mlp.down_proj(h)
+  return forward
+
+
+def apply_clamps(model, cfg):
+  """Patches the loaded model's MoE layers with the config's clamps."""
+  routed = getattr(cfg, "expert_swiglu_limit_list", None)
+  shared = getattr(cfg, "share_expert_swiglu_limit_list", None)
+  if not routed and not shared:
+    return
+  for i, layer in enumerate(model.model.layers):
+    moe = layer.mlp
+    if not hasattr(moe, "experts"):
+      continue
+    if routed and routed[i]:
+      moe.experts.forward = _clamped_experts_forward(moe.experts, routed[i])
+    if shared and shared[i]:
+      moe.shared_experts.forward = _clamped_mlp_forward(moe.shared_experts,
+                                                        shared[i])
+
+
 # name: (model_type, config, seed).
 FIXTURES = {
     "bailing_hybrid": ("bailing_hybrid", ling_config, 0),
@@ -94,6 +164,7 @@ FIXTURES = {
     "bailing_hybrid_yarn": ("bailing_hybrid", ling_yarn_config, 2),
     "kimi_linear_bias": ("kimi_linear",
                          lambda: kimi_config(attention_bias=True), 3),
+    "bailing_hybrid_clamp": ("bailing_hybrid", ling_clamp_config, 4),
 }
 
 
@@ -125,13 +196,22 @@ def make(name, model_type, cfg, seed):
   model.save_pretrained(out)
   # The float64 reference (the grouped expert matmul is float32-only).
   model = cls.from_pretrained(out, experts_implementation="eager").double()
+  plain = None
+  if getattr(cfg, "expert_swiglu_limit_list", None):
+    plain = cls.from_pretrained(out, experts_implementation="eager").double()
+    apply_clamps(model, cfg)
   rng = np.random.default_rng(seed)
   arrays = {}
   for i, n in enumerate(DOC_LENGTHS):
     tokens = rng.integers(0, VOCAB, size=n).astype(np.int32)
+    run = lambda m, x=tokens: m(torch.tensor(x[None], dtype=torch.long),
+                      use_cache=False).logits[0].double()
     with torch.no_grad():
-      logits = model(torch.tensor(tokens[None], dtype=torch.long),
-                     use_cache=False).logits[0].double()
+      logits = run(model)
+      if plain is not None:
+        diff = (run(plain) - logits).norm() / logits.norm()
+        print(f"  document {i}: the clamps change the logits by "
+              f"{float(diff):.1%} (relative)")
     arrays[f"tokens_{i}"] = tokens
     arrays[f"logits_{i}"] = logits.float().numpy()
   np.savez_compressed(os.path.join(out, "golden.npz"), **arrays)
@@ -143,6 +223,16 @@ def make(name, model_type, cfg, seed):
         f"{json.load(open(os.path.join(out, 'config.json')))['model_type']}")
 
 
+def write_config_fields():
+  fields = {"transformers": transformers.__version__}
+  for name, cls in (("bailing_hybrid", transformers.BailingHybridConfig),
+                    ("kimi_linear", transformers.KimiLinearConfig)):
+    fields[name] = sorted(cls().to_dict())
+  with open(os.path.join(OUT, "config_fields.json"), "w") as f:
+    json.dump(fields, f, indent=1)
+    f.write("\n")
+
+
 def main():
   print(f"torch {torch.__version__}, transformers "
         f"{transformers.__version__}, safetensors "
@@ -151,6 +241,7 @@ def main():
   unknown = sorted(set(names) - set(FIXTURES))
   if unknown:
     raise SystemExit(f"Unknown fixtures {unknown}; known: {list(FIXTURES)}")
+  write_config_fields()
   for name in names:
     model_type, config, seed = FIXTURES[name]
     make(name, model_type, config(), seed)

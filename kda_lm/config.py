@@ -297,6 +297,12 @@ class ModelConfig:
   mla_norm_eps: Optional[float] = None
   kda_lower_bound: float = kda_common.GATE_FLOOR
   moe_renormalize: bool = True
+  # Per-layer SwiGLU clamps of the MoE layers (`layers/mlp.swiglu`; Ling
+  # 3.0's late layers, `expert_swiglu_limit_list` and
+  # `share_expert_swiglu_limit_list` in its config.json): one value per
+  # layer, 0 = none; () = none anywhere. Routed and shared experts.
+  expert_swiglu_limits: tuple = ()
+  shared_swiglu_limits: tuple = ()
 
   @classmethod
   def from_config(cls, values: Any) -> "ModelConfig":
@@ -387,6 +393,22 @@ class ModelConfig:
     if not (self.router_bias_update_rate >= 0 and self.mtp_loss_scale >= 0):
       raise ValueError("model.router_bias_update_rate and mtp_loss_scale "
                        "must be >= 0.")
+    for name in ("expert_swiglu_limits", "shared_swiglu_limits"):
+      _set(self, name, self._limits(name))
+
+  def _limits(self, name: str) -> tuple:
+    """A per-layer clamp list as a tuple of floats >= 0, checked."""
+    values = getattr(self, name)
+    try:
+      limits = tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+      limits = None
+    if limits is None or any(not v >= 0 for v in limits) or (
+        limits and len(limits) != len(self.attention_pattern)):
+      raise ValueError(
+          f"model.{name} must be () or one number >= 0 per layer "
+          f"({len(self.attention_pattern)}), got {values!r}.")
+    return limits
 
   @property
   def num_layers(self) -> int:
@@ -395,6 +417,12 @@ class ModelConfig:
   def is_moe_layer(self, i: int) -> bool:
     """Whether decoder layer `i` (0-based) has a MoE feed-forward."""
     return bool(self.num_experts) and i >= self.first_k_dense_replace
+
+  def swiglu_limits(self, i: int) -> tuple[float, float]:
+    """Layer `i`'s (routed, shared) experts' SwiGLU clamps; 0 = none."""
+    pick = lambda limits: limits[i] if limits else 0.0
+    return (pick(self.expert_swiglu_limits),
+            pick(self.shared_swiglu_limits))
 
   @property
   def has_aux_outputs(self) -> bool:

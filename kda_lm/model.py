@@ -207,7 +207,8 @@ def _run_block(cfg: config_lib.ModelConfig, layer: int, name: str,
     (x [B,T,D], MoE load [1,E] or None, the layer's cache or None).
   """
   layer_fn = block.DecoderBlock(cfg.attention_pattern[layer], cfg,
-                                cfg.is_moe_layer(layer), name=name)
+                                cfg.is_moe_layer(layer), name=name,
+                                limits=cfg.swiglu_limits(layer))
   if with_cache:
     x_BTD, load, cache = layer_fn(x_BTD, segment_ids, positions, cache=cache,
                                max_len=max_len if cache is None else None)

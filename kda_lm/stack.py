@@ -93,8 +93,9 @@ def slot_name(j: int) -> str:
   return f"slot_{j}"
 
 
-def _signature(cfg: config_lib.ModelConfig, i: int) -> tuple[str, bool]:
-  return cfg.attention_pattern[i], cfg.is_moe_layer(i)
+def _signature(cfg: config_lib.ModelConfig, i: int) -> tuple:
+  """What layers of one scanned slot share: kind, FFN kind, clamps."""
+  return cfg.attention_pattern[i], cfg.is_moe_layer(i), cfg.swiglu_limits(i)
 
 
 def _repeats(sig: list, start: int, period: int) -> int:

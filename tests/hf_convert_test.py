@@ -20,11 +20,13 @@ from kda_lm.parallel import sharding
 FIXTURES = os.path.join(testing.REPO, "tests", "testdata", "hf")
 TYPES = ("bailing_hybrid", "kimi_linear")
 # Every fixture's model_type: the two formats, Ling with YaRN rope scaling
-# and attention biases, Kimi with attention biases.
+# and attention biases, Kimi with attention biases, Ling with per-layer
+# SwiGLU clamps (which change its logits by 11-27%).
 FIXTURE_TYPES = {"bailing_hybrid": "bailing_hybrid",
                  "kimi_linear": "kimi_linear",
                  "bailing_hybrid_yarn": "bailing_hybrid",
-                 "kimi_linear_bias": "kimi_linear"}
+                 "kimi_linear_bias": "kimi_linear",
+                 "bailing_hybrid_clamp": "bailing_hybrid"}
 GAP = 3   # Padding tokens between documents in the padded row.
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
@@ -230,6 +232,54 @@ def test_yarn_and_biases_are_read_as_transformers_reads_them():
     np.testing.assert_array_equal(
         params[f"layer_7/mla/{module}"]["b"],
         biases[f"model.layers.7.attention.{hf_name}.bias"])
+
+
+def test_every_config_field_is_modelled_checked_or_ignored():
+  """Each field of transformers' two config classes (recorded by
+  experiments/make_hf_fixtures.py) and of every fixture's config.json is
+  in exactly one of formats' lists; a field a new transformers adds fails
+  here until it is placed."""
+  with open(os.path.join(FIXTURES, "config_fields.json")) as f:
+    recorded = json.load(f)
+  fields = set(recorded["bailing_hybrid"]) | set(recorded["kimi_linear"])
+  for name in FIXTURE_TYPES:
+    fields |= set(fixture_config(name))
+  lists = [formats.MODELLED, set(formats.CHECKED), set(formats.IGNORED)]
+  for field in sorted(fields):
+    homes = [i for i, names in enumerate(lists) if field in names]
+    assert len(homes) == 1, (field, homes)
+  assert all(reason for reason in formats.IGNORED.values())
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tie_word_embeddings", True), ("hidden_act", "gelu"),
+    ("pretraining_tp", 2), ("num_key_value_heads", 1)])
+def test_checked_fields_refuse_other_values(field, value):
+  hf_config = dict(fixture_config("bailing_hybrid"), **{field: value})
+  with pytest.raises(ValueError, match=field):
+    formats.from_hf(hf_config)
+
+
+def test_swiglu_clamps_import_export_and_refusals():
+  """The clamp lists become per-layer limits (entries past the decoder
+  layers, the MTP layers', are dropped); Kimi cannot express them; a list
+  shorter than the layers is refused by name."""
+  hf_config = fixture_config("bailing_hybrid_clamp")
+  cfg = config.ModelConfig.from_config(formats.from_hf(hf_config))
+  assert cfg.swiglu_limits(5) == (0.3, 0.4)
+  assert cfg.swiglu_limits(0) == (0.0, 0.0)
+  longer = dict(hf_config, expert_swiglu_limit_list=list(
+      hf_config["expert_swiglu_limit_list"]) + [9.0])
+  assert config.ModelConfig.from_config(formats.from_hf(
+      longer)).expert_swiglu_limits == cfg.expert_swiglu_limits
+  short = dict(hf_config, share_expert_swiglu_limit_list=[0.5])
+  with pytest.raises(ValueError, match="share_expert_swiglu_limit_list"):
+    formats.from_hf(short)
+  with pytest.raises(ValueError, match="expert_swiglu_limits"):
+    formats.to_hf(cfg, "kimi_linear")
+  plain = config.ModelConfig.from_config(
+      formats.from_hf(fixture_config("bailing_hybrid")))
+  assert plain.expert_swiglu_limits == () == plain.shared_swiglu_limits
 
 
 def test_layer_kinds_without_layer_types():

@@ -430,3 +430,42 @@ def test_moe_model_packed_equals_unpacked_and_param_count():
   assert n == model.param_count(MOE_CONFIG)
   assert model.router_bias_modules(MOE_CONFIG) == ["layer_1/moe"]
   assert "layer_0/mlp/gate_proj" in params and "layer_0/moe" not in params
+
+
+def _clamped_reference(x, idx, w, weights, limit):
+  """Per token, in float64: sum_j w_j down(min(silu(x Wg), L) clip(x Wu))."""
+  wg, wu, wd = (np.asarray(a, np.float64) for a in weights)
+  x, idx, w = (np.asarray(a) for a in (x, idx, w))
+  out = np.zeros(x.shape, np.float64)
+  for m in range(x.shape[0]):
+    for j, e in enumerate(idx[m]):
+      g, u = x[m] @ wg[e], x[m] @ wu[e]
+      h = np.minimum(g / (1 + np.exp(-g)), limit) * np.clip(u, -limit, limit)
+      out[m] += w[m, j] * (h @ wd[e])
+  return out
+
+
+def test_clamped_experts_on_one_device_and_over_shards():
+  """The routed experts' SwiGLU clamp (`limit`): `dispatch_swiglu` and the
+  expert-parallel exchange (n = 2, vmapped) against a per-token float64
+  reference; a limit that binds changes the result."""
+  rng = np.random.default_rng(3)
+  n, M, A, limit = 2, 5, 2, 0.5
+  x = jnp.asarray(3 * rng.normal(size=(n * M, D)), jnp.float32)
+  idx = jnp.asarray(np.stack([rng.permutation(E)[:A] for _ in range(n * M)]),
+                    jnp.int32)
+  w = jnp.asarray(rng.uniform(size=(n * M, A)), jnp.float32)
+  weights = [jnp.asarray(rng.normal(size=s), jnp.float32)
+             for s in ((E, D, F), (E, D, F), (E, F, D))]
+  want = _clamped_reference(x, idx, w, weights, limit)
+  one = moe.dispatch_swiglu(x, idx, w, *weights, impl="ragged_dot",
+                            limit=limit)
+  assert testing.rel_err(one, want) < 1e-6
+  local = [a.reshape(n, E // n, *a.shape[1:]) for a in weights]
+  fn = functools.partial(moe.expert_parallel_swiglu, shards=n,
+                         impl="ragged_dot", limit=limit)
+  split = jax.vmap(fn, axis_name=context_parallel.EXPERT_AXIS)(
+      x.reshape(n, M, D), idx.reshape(n, M, A), w.reshape(n, M, A), *local)
+  assert testing.rel_err(split.reshape(-1, D), want) < 1e-6
+  plain = moe.dispatch_swiglu(x, idx, w, *weights, impl="ragged_dot")
+  assert testing.rel_err(plain, want) > 0.05

@@ -248,3 +248,25 @@ def test_layer_names_and_their_inverse():
   assert [stack.layer_index(n) for n in (
       "layer_0", "layer_12", "layer_", "layer_x", "mtp_0", "layers_1")] == [
           0, 12, None, None, None, None]
+
+
+def test_layers_with_other_swiglu_clamps_are_not_scanned_together():
+  """Per-layer SwiGLU clamps are static: a layer whose clamps differ from
+  its group's repeats cannot share the scan."""
+  base = dict(vocab_size=32, d_model=16, attention_pattern="KMKMKMKM",
+              num_heads=2, head_dim=8, kv_lora_rank=8, qk_nope_head_dim=4,
+              qk_rope_head_dim=4, v_head_dim=4, mlp_hidden_dim=16,
+              num_experts=4, num_experts_per_tok=2, scan_layers=True)
+  plain = config.ModelConfig(**base)
+  clamped = config.ModelConfig(
+      **base, expert_swiglu_limits=(0,) * 6 + (4.0, 4.0))
+  assert stack.find_group(plain).repeats == 4
+  plan = stack.find_group(clamped)
+  assert plan.repeats * plan.period <= 6, plan
+  assert all(clamped.swiglu_limits(plan.layer(r, j))
+             == clamped.swiglu_limits(plan.layer(0, j))
+             for r in range(plan.repeats) for j in range(plan.period))
+  with pytest.raises(ValueError, match="expert_swiglu_limits"):
+    config.ModelConfig(**base, expert_swiglu_limits=(1.0,))
+  with pytest.raises(ValueError, match="shared_swiglu_limits"):
+    config.ModelConfig(**base, shared_swiglu_limits=(-1.0,) * 8)

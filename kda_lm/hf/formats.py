@@ -38,6 +38,63 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16",
 _YARN_OPTIONAL = ("attention_factor", "mscale", "mscale_all_dim")
 
 
+# Every `config.json` field of the two formats, by how kda-lm treats it
+# (tests/hf_convert_test.py checks the lists against the fields of
+# transformers' config classes, recorded in tests/testdata/hf/
+# config_fields.json, so a field transformers adds fails the test until it
+# is placed here). MODELLED: read into `model` (`from_hf`), written back by
+# `to_hf`. CHECKED: refused on import unless kda-lm's value
+# (`_refuse_unsupported`). IGNORED: name -> why it changes nothing kda-lm
+# computes.
+MODELLED = frozenset({
+    "model_type", "vocab_size", "hidden_size", "intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "linear_num_heads",
+    "linear_head_dim", "head_dim", "linear_conv_kernel_dim",
+    "short_conv_kernel_size", "linear_attn_config", "kv_lora_rank",
+    "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta",
+    "max_position_embeddings", "attention_bias", "layer_types",
+    "layer_group_size", "mlp_layer_types", "first_k_dense_replace",
+    "kda_lower_bound", "num_experts", "num_local_experts",
+    "moe_intermediate_size", "num_experts_per_token", "num_experts_per_tok",
+    "num_shared_experts", "n_shared_experts", "routed_scaling_factor",
+    "num_expert_group", "n_group", "topk_group", "moe_renormalize",
+    "norm_topk_prob", "dtype", "torch_dtype", "expert_swiglu_limit_list",
+    "share_expert_swiglu_limit_list"})
+CHECKED = {"tie_word_embeddings": False, "hidden_act": "silu",
+           "kda_safe_gate": True, "pretraining_tp": 1,
+           "num_key_value_heads": "num_attention_heads"}
+IGNORED = {
+    "_name_or_path": "where transformers loaded it from",
+    "architectures": "the class name; model_type decides",
+    "transformers_version": "provenance",
+    "qk_head_dim": "derived: qk_nope_head_dim + qk_rope_head_dim",
+    "initializer_range": "initialisation only; weights are loaded",
+    "attention_dropout": "dropout is off at inference; kda-lm trains "
+                         "without dropout",
+    "use_cache": "an inference switch of transformers",
+    "return_dict": "an output switch of transformers",
+    "output_attentions": "an output switch of transformers",
+    "output_hidden_states": "an output switch of transformers",
+    "output_router_logits": "an output switch of transformers",
+    "chunk_size_feed_forward": "transformers' memory option (same output)",
+    "is_encoder_decoder": "False for both formats",
+    "problem_type": "sequence-classification heads only",
+    "id2label": "sequence-classification heads only",
+    "label2id": "sequence-classification heads only",
+    "pad_token_id": "the tokenizer's; transformers uses it for the "
+                    "embedding's padding row at initialisation only",
+    "bos_token_id": "the tokenizer's (generation settings)",
+    "eos_token_id": "the tokenizer's (generation settings)",
+    "model_max_length": "the tokenizer's length limit",
+    "num_nextn_predict_layers": "multi-token-prediction layers are not "
+                                "imported (the decoder's logits do not "
+                                "use them)",
+    "num_mtp_layers": "as num_nextn_predict_layers",
+    "mtp_loss_scaling_factor": "training loss weight of the MTP layers",
+}
+
+
 def _get(hf: dict, *names: str, default: Any = None) -> Any:
   """The first of `names` present in `hf` (transformers' aliases)."""
   for name in names:
@@ -54,19 +111,14 @@ def _need(hf: dict, *names: str) -> Any:
 
 
 def _refuse_unsupported(hf: dict, model_type: str) -> None:
-  """Raises for what kda-lm cannot represent, naming the field."""
-  checks = (("tie_word_embeddings", False, "a tied LM head"),
-            ("hidden_act", "silu", "another activation than SiLU"))
-  for names, ok, what in checks:
-    names = (names,) if isinstance(names, str) else names
-    value = _get(hf, *names, default=ok)
-    if value != ok:
-      raise ValueError(f"config.json field {names[0]!r} is {value!r}: "
-                       f"kda-lm has no {what}.")
-  if model_type == mapping.BAILING and not _get(hf, "kda_safe_gate",
-                                                default=True):
-    raise ValueError("config.json field 'kda_safe_gate' is False: kda-lm's "
-                     "Ling KDA gate is the bounded one only.")
+  """Raises for a CHECKED field whose value kda-lm cannot represent."""
+  for name, ok in CHECKED.items():
+    if ok == "num_attention_heads":
+      ok = hf.get("num_attention_heads")
+    value = hf.get(name)
+    if value is not None and value != ok:
+      raise ValueError(f"config.json field {name!r} is {value!r}: kda-lm "
+                       f"models only {ok!r} ({model_type}).")
 
 
 def _rope_parameters(hf: dict) -> dict:
@@ -243,6 +295,8 @@ def from_hf(hf: dict, *, dtype: Optional[str] = None
   m.topk_group = int(_get(hf, "topk_group", default=1))
   m.moe_renormalize = bool(_get(hf, "moe_renormalize", "norm_topk_prob",
                                 default=True))
+  m.expert_swiglu_limits, m.shared_swiglu_limits = _swiglu_limits(
+      hf, model_type, n)
   dtype = dtype or _get(hf, "dtype", "torch_dtype", default="float32")
   if dtype not in _DTYPES:
     raise ValueError(f"Unsupported parameter dtype {dtype!r} (config.json "
@@ -250,6 +304,33 @@ def from_hf(hf: dict, *, dtype: Optional[str] = None
   m.param_dtype = _DTYPES[dtype]
   config_lib.ModelConfig.from_config(m)   # Validates.
   return m
+
+
+# Ling 3.0's per-layer SwiGLU clamps (routed, shared experts), as kda-lm's
+# `model` fields.
+SWIGLU_LIMIT_FIELDS = (("expert_swiglu_limit_list", "expert_swiglu_limits"),
+                       ("share_expert_swiglu_limit_list",
+                        "shared_swiglu_limits"))
+
+
+def _swiglu_limits(hf: dict, model_type: str, n: int) -> tuple:
+  """(routed, shared) clamps per layer from `config.json`: () when absent
+  or all zero. Entries past the n decoder layers belong to the MTP layers,
+  which are not imported."""
+  out = []
+  for field, _ in SWIGLU_LIMIT_FIELDS:
+    values = _get(hf, field)
+    if values is None:
+      out.append(())
+      continue
+    if model_type != mapping.BAILING or not isinstance(values, list) or (
+        len(values) < n):
+      raise ValueError(f"config.json field {field!r} must be a list of at "
+                       f"least num_hidden_layers ({n}) numbers for "
+                       f"bailing_hybrid, got {values!r}.")
+    limits = tuple(float(v) for v in values[:n])
+    out.append(limits if any(limits) else ())
+  return tuple(out)
 
 
 def guess_model_type(cfg: config_lib.ModelConfig) -> str:
@@ -260,6 +341,11 @@ def guess_model_type(cfg: config_lib.ModelConfig) -> str:
 def _refuse_export(cfg: config_lib.ModelConfig, model_type: str) -> None:
   """Raises for what `model_type` cannot express, naming the option."""
   ling = model_type == mapping.BAILING
+  for _, name in SWIGLU_LIMIT_FIELDS:
+    if not ling and any(getattr(cfg, name)):
+      raise ValueError(f"The {model_type} format cannot express "
+                       f"model.{name} (SwiGLU clamps); set it to () or "
+                       f"export to {mapping.BAILING}.")
   wanted = (("kda_gate", "ling" if ling else "kimi"),
             ("use_nope", not ling), ("mla_output_gate", ling),
             ("kda_head_v_dim", cfg.head_dim), ("conv_bias", False),
@@ -277,6 +363,7 @@ def _refuse_export(cfg: config_lib.ModelConfig, model_type: str) -> None:
   if not cfg.num_experts:
     raise ValueError(f"The {model_type} format needs MoE layers; set "
                      f"model.num_experts > 0.")
+
 
 
 def to_hf(cfg: config_lib.ModelConfig, model_type: str) -> dict:
@@ -327,6 +414,8 @@ def to_hf(cfg: config_lib.ModelConfig, model_type: str) -> dict:
               kda_safe_gate=True, kda_lower_bound=cfg.kda_lower_bound,
               num_nextn_predict_layers=0,
               layer_group_size=_group_size(cfg.attention_pattern))
+    for field, name in SWIGLU_LIMIT_FIELDS:
+      hf[field] = list(getattr(cfg, name)) or [0.0] * n
   else:
     hf["linear_attn_config"] = {
         "head_dim": cfg.head_dim, "num_heads": cfg.num_heads,

@@ -29,7 +29,8 @@ class DecoderBlock(hk.Module):
   """
 
   def __init__(self, kind: str, cfg: Any,
-               use_moe: bool = False, name: Optional[str] = None):
+               use_moe: bool = False, name: Optional[str] = None, *,
+               limits: tuple[float, float] = (0.0, 0.0)):
     """Initialises the module.
 
     Args:
@@ -37,11 +38,14 @@ class DecoderBlock(hk.Module):
       cfg: the model config (`kda_lm.config.ModelConfig`).
       use_moe: a MoE feed-forward instead of the dense SwiGLU.
       name: module name.
+      limits: the MoE's (routed, shared) SwiGLU clamps
+        (`ModelConfig.swiglu_limits`; 0 = none).
     """
     super().__init__(name=name)
     self.kind = kind
     self.cfg = cfg
     self.use_moe = use_moe
+    self.limits = limits
 
   def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array],
                positions: Optional[jax.Array], *, cache: Any = None,
@@ -61,7 +65,7 @@ class DecoderBlock(hk.Module):
       h, cache = h
     x = x + ad_checkpoint.checkpoint_name(h, MIXER_OUT)
     h = norm.RMSNorm(eps, pdt, name="mlp_norm")(x)
-    h, load = ffn(self.cfg, self.use_moe, h, segment_ids)
+    h, load = ffn(self.cfg, self.use_moe, h, segment_ids, self.limits)
     out = x + ad_checkpoint.checkpoint_name(h, FFN_OUT), load
     return out + (cache,) if with_cache else out
 
@@ -96,10 +100,12 @@ def mixer(kind: str, cfg: Any, h: jax.Array,
 
 
 def ffn(cfg: Any, use_moe: bool, h: jax.Array,
-        segment_ids: Optional[jax.Array]
+        segment_ids: Optional[jax.Array],
+        limits: tuple[float, float] = (0.0, 0.0)
         ) -> tuple[jax.Array, Optional[jax.Array]]:
   """The feed-forward ("mlp" or "moe" module, in the calling module's
-  scope) on normalised `h [B,T,D]`: (output, expert load or None)."""
+  scope) on normalised `h [B,T,D]`: (output, expert load or None); a MoE
+  clamps its routed and shared SwiGLUs at `limits`."""
   pdt = jnp.dtype(cfg.param_dtype)
   if not use_moe:
     return mlp.SwiGLU(cfg.mlp_hidden_dim, param_dtype=pdt, name="mlp")(h), (
@@ -112,4 +118,5 @@ def ffn(cfg: Any, use_moe: bool, h: jax.Array,
       n_group=cfg.n_group, topk_group=cfg.topk_group,
       renormalize=cfg.moe_renormalize, param_dtype=pdt,
       impl=cfg.moe_impl, capacity_factor=cfg.moe_capacity_factor,
+      swiglu_limit=limits[0], shared_swiglu_limit=limits[1],
       name="moe")(h, None if segment_ids is None else segment_ids != 0)

@@ -204,8 +204,8 @@ def load_metrics(expert_load: jax.Array) -> dict[str, jax.Array]:
 
 def dispatch_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
                     w_gate_EDF: jax.Array, w_up_EDF: jax.Array,
-                    w_down_EFD: jax.Array, *, impl: str = "auto"
-                    ) -> jax.Array:
+                    w_down_EFD: jax.Array, *, impl: str = "auto",
+                    limit: float = 0.0) -> jax.Array:
   """`sum_j w[n,j] SwiGLU_{idx[n,j]}(x[n])` by sort + grouped matmul.
 
   Args:
@@ -215,6 +215,7 @@ def dispatch_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
     w_gate_EDF, w_up_EDF: [E,D,F] expert input weights.
     w_down_EFD: [E,F,D] expert output weights.
     impl: the grouped matmul's implementation (`kda_lm.ops.gmm`).
+    limit: the experts' SwiGLU clamp (`mlp.swiglu`; 0 = none).
 
   Returns:
     [M,D] in `x_MD`'s dtype.
@@ -225,7 +226,7 @@ def dispatch_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
   order = jnp.argsort(flat, stable=True)
   sizes = jnp.bincount(flat, length=E).astype(jnp.int32)    # [E]
   out = _grouped_swiglu(x_MD[order // A], sizes, w_gate_EDF, w_up_EDF,
-                        w_down_EFD, impl)                    # [M*A,D]
+                        w_down_EFD, impl, limit)             # [M*A,D]
   out = out[_inverse(order)].reshape(M, A, -1)
   return _combine(out, w, x_MD.dtype)
 
@@ -242,12 +243,13 @@ def _combine(out_MAD, w, dt):
                     w.astype(jnp.float32)).astype(dt)
 
 
-def _grouped_swiglu(rows, sizes, w_gate_EDF, w_up_EDF, w_down_EFD, impl):
+def _grouped_swiglu(rows, sizes, w_gate_EDF, w_up_EDF, w_down_EFD, impl,
+                    limit):
   """Rows sorted by expert (`sizes` per expert) through their SwiGLUs."""
   dt = rows.dtype
   mm = functools.partial(gmm.gmm, group_sizes=sizes, impl=impl)
-  h = jax.nn.silu(mm(rows, w_gate_EDF.astype(dt))) * mm(
-      rows, w_up_EDF.astype(dt))
+  h = mlp.swiglu(mm(rows, w_gate_EDF.astype(dt)),
+                 mm(rows, w_up_EDF.astype(dt)), limit)
   return mm(h, w_down_EFD.astype(dt))
 
 
@@ -266,8 +268,8 @@ def expert_parallel_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
                            w_gate_EDF: jax.Array, w_up_EDF: jax.Array,
                            w_down_EFD: jax.Array, *, shards: int,
                            impl: str = "auto",
-                           capacity_factor: Optional[float] = None
-                           ) -> jax.Array:
+                           capacity_factor: Optional[float] = None,
+                           limit: float = 0.0) -> jax.Array:
   """`dispatch_swiglu` with the experts split over `shards` devices.
 
   Runs inside `context_parallel.expert_map`: this device's tokens, its
@@ -282,6 +284,7 @@ def expert_parallel_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
     shards: n, the `expert` axis size.
     impl: the grouped matmul's implementation.
     capacity_factor: None (no pair dropped) or c (`exchange_capacity`).
+    limit: the experts' SwiGLU clamp (`mlp.swiglu`; 0 = none).
 
   Returns:
     [M,D] in `x_MD`'s dtype.
@@ -309,7 +312,7 @@ def expert_parallel_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
   local = (slot[None, :, None] >= ends[:, None, :]).sum(-1).reshape(-1)
   perm = jnp.argsort(local, stable=True)
   out = _grouped_swiglu(got.reshape(-1, D)[perm], got_counts.sum(0),
-                        w_gate_EDF, w_up_EDF, w_down_EFD, impl)
+                        w_gate_EDF, w_up_EDF, w_down_EFD, impl, limit)
   back = context_parallel.expert_exchange(
       out[_inverse(perm)].reshape(shards, cap, D))           # [n,cap,D]
   target = flat // E
@@ -319,7 +322,7 @@ def expert_parallel_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
   return _combine(out.reshape(M, A, D), w, x_MD.dtype)
 
 
-def _dispatch(x, idx, w, weights, impl, capacity_factor):
+def _dispatch(x, idx, w, weights, impl, capacity_factor, limit):
   """`dispatch_swiglu` of `x` ([B,T,D] or [M,D]; `idx`, `w` [...,A]), like
   `x`. Under a device mesh each device sorts and runs only its own tokens;
   with an `expert` axis, through the experts of every device on that
@@ -327,8 +330,8 @@ def _dispatch(x, idx, w, weights, impl, capacity_factor):
   D, A = x.shape[-1], idx.shape[-1]
   if x.ndim != 3 or not context_parallel.under_mesh():
     return dispatch_swiglu(x.reshape(-1, D), idx.reshape(-1, A),
-                           w.reshape(-1, A), *weights,
-                           impl=impl).reshape(x.shape)
+                           w.reshape(-1, A), *weights, impl=impl,
+                           limit=limit).reshape(x.shape)
 
   shards = context_parallel.expert_size()
 
@@ -344,9 +347,9 @@ def _dispatch(x, idx, w, weights, impl, capacity_factor):
                    "each device.", weights[0].shape[0],
                    weights[0].shape[0] * shards, b * t, capacity_factor, cap)
       y = expert_parallel_swiglu(*args, shards=shards, impl=impl,
-                                 capacity_factor=capacity_factor)
+                                 capacity_factor=capacity_factor, limit=limit)
     else:
-      y = dispatch_swiglu(*args, impl=impl)
+      y = dispatch_swiglu(*args, impl=impl, limit=limit)
     return y.reshape(b, t, D)
 
   tokens = [x, idx, w]
@@ -366,6 +369,7 @@ class MoE(hk.Module):
                topk_group: int = 1, renormalize: bool = True,
                param_dtype=jnp.float32, impl: str = "auto",
                capacity_factor: Optional[float] = None,
+               swiglu_limit: float = 0.0, shared_swiglu_limit: float = 0.0,
                name: Optional[str] = None):
     """Initialises the module.
 
@@ -384,6 +388,9 @@ class MoE(hk.Module):
       impl: the routed experts' grouped matmul (`kda_lm.ops.gmm`).
       capacity_factor: under expert parallelism, None (no pair dropped)
         or the exchange's capacity factor (`exchange_capacity`).
+      swiglu_limit: the routed experts' SwiGLU clamp (`mlp.swiglu`; 0 =
+        none).
+      shared_swiglu_limit: the shared experts' clamp.
       name: module name.
 
     Raises:
@@ -403,6 +410,7 @@ class MoE(hk.Module):
     self.param_dtype = param_dtype
     self.impl = impl
     self.capacity_factor = capacity_factor
+    self.limits = (float(swiglu_limit), float(shared_swiglu_limit))
 
   def __call__(self, x: jax.Array, valid: Optional[jax.Array] = None
                ) -> tuple[jax.Array, jax.Array]:
@@ -434,10 +442,10 @@ class MoE(hk.Module):
     w_up = hk.get_parameter("up_proj", [E, D, F], pdt, init=init_in)
     w_down = hk.get_parameter("down_proj", [E, F, D], pdt, init=init_out)
     y = _dispatch(x, idx, w, (w_gate, w_up, w_down), self.impl,
-                  self.capacity_factor)
+                  self.capacity_factor, self.limits[0])
     if self.num_shared:
-      y = y + mlp.SwiGLU(self.num_shared * F, param_dtype=pdt,
-                         name="shared_experts")(x)
+      y = y + mlp.SwiGLU(self.num_shared * F, limit=self.limits[1],
+                         param_dtype=pdt, name="shared_experts")(x)
     return y, expert_load(idx, E, valid)
 
 
