@@ -122,6 +122,8 @@ def test_export_round_trip_is_exact(name, tmp_path):
             if k in original and original[k] != v}
   assert not differ, differ
   assert exported["model_type"] == FIXTURE_TYPES[name]
+  for key in formats.TOKEN_ID_FIELDS:   # explicit nulls without a source
+    assert key in exported and exported[key] is None, key
   for key in ("attention_bias", "rope_parameters"):
     assert (key in exported) == (key in original), key
 

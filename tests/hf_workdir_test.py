@@ -1,7 +1,9 @@
 """Tests of kda_lm/hf/workdir.py: a Hugging Face checkpoint imported into a
 run directory trains, generates and exports back."""
 
+import json
 import os
+import shutil
 
 import jax
 import ml_collections
@@ -35,7 +37,16 @@ def test_import_train_export_import(tmp_path):
       str(tmp_path / "data"), train__num_steps=5, train__log_every=5,
       eval__every_steps=0, checkpoint__every_steps=5,
       checkpoint__async_save=False)
-  hf_workdir.import_checkpoint(FIXTURE, workdir, base)
+  # The source's token ids and other unmodelled fields survive the trip.
+  source = str(tmp_path / "source")
+  shutil.copytree(FIXTURE, source)
+  with open(os.path.join(source, "config.json")) as f:
+    source_config = json.load(f)
+  carried = dict(bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0,
+                 model_max_length=4096, use_cache=False)
+  with open(os.path.join(source, "config.json"), "w") as f:
+    json.dump(dict(source_config, **carried), f)
+  hf_workdir.import_checkpoint(source, workdir, base)
   with pytest.raises(ValueError, match="already holds a run"):
     hf_workdir.import_checkpoint(FIXTURE, workdir, base)
   _, imported = hf.load_pretrained(FIXTURE)
@@ -48,6 +59,9 @@ def test_import_train_export_import(tmp_path):
   assert int(jax.device_get(state.step)) == 5
   run = hf_workdir.export_checkpoint(workdir, out)
   assert run.step == 5
+  with open(os.path.join(out, "config.json")) as f:
+    exported = json.load(f)
+  assert {k: exported.get(k) for k in carried} == carried
   _, params = hf.load_pretrained(out)
   assert_same_tree(params, run.params, "re-imported parameters")
   moved = [np.any(np.asarray(a) != np.asarray(b)) for a, b in zip(

@@ -151,7 +151,8 @@ def _hf_tensors(cfg, params, model_type, tmap):
 
 def save_pretrained(model_config: Any, params: hk.Params, path: str, *,
                     max_shard_size: Union[int, str] = "5GB",
-                    model_type: Optional[str] = None) -> None:
+                    model_type: Optional[str] = None,
+                    source_config: Optional[dict] = None) -> None:
   """Writes the checkpoint directory `transformers` reads.
 
   Args:
@@ -162,6 +163,9 @@ def save_pretrained(model_config: Any, params: hk.Params, path: str, *,
       shard adds `model.safetensors.index.json`.
     model_type: "bailing_hybrid" or "kimi_linear"; None = by the KDA gate
       form (`ling` or `kimi`).
+    source_config: the `config.json` the model was imported from, if any
+      (its token ids and other fields kda-lm ignores are kept:
+      `formats.carried_fields`).
 
   Raises:
     ValueError: the format cannot express the config (names the option),
@@ -172,7 +176,7 @@ def save_pretrained(model_config: Any, params: hk.Params, path: str, *,
     params = stack.to_unscanned(params, cfg)
   cfg = dataclasses.replace(cfg, scan_layers=False)
   model_type = model_type or formats.guess_model_type(cfg)
-  hf = formats.to_hf(cfg, model_type)
+  hf = formats.to_hf(cfg, model_type, source_config)
   tmap = mapping.tensor_map(cfg, model_type)
   abstract = model_lib.abstract_params(cfg)
   for module, names in abstract.items():

@@ -366,8 +366,33 @@ def _refuse_export(cfg: config_lib.ModelConfig, model_type: str) -> None:
 
 
 
-def to_hf(cfg: config_lib.ModelConfig, model_type: str) -> dict:
+# Token ids an export writes unless the source checkpoint had its own:
+# explicit nulls, since the config classes otherwise fall back to Ling's
+# ids (pad 156892, eos 156895), which lie outside a smaller vocabulary
+# (transformers then refuses the padding row).
+TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def carried_fields(source: Optional[dict]) -> dict:
+  """The IGNORED fields of a source `config.json` an export keeps (token
+  ids, length limits, ...: what kda-lm does not compute with but readers
+  of the checkpoint use), with null token ids where it has none."""
+  out = {name: None for name in TOKEN_ID_FIELDS}
+  keep = set(IGNORED) - {"_name_or_path", "architectures",
+                         "transformers_version", "qk_head_dim"}
+  out.update({k: v for k, v in (source or {}).items() if k in keep})
+  return out
+
+
+def to_hf(cfg: config_lib.ModelConfig, model_type: str,
+          source: Optional[dict] = None) -> dict:
   """kda-lm's model config as the `config.json` of `model_type`.
+
+  Args:
+    cfg: the model config.
+    model_type: "bailing_hybrid" or "kimi_linear".
+    source: the `config.json` the model was imported from, if any: its
+      fields kda-lm ignores are carried over (`carried_fields`).
 
   Raises:
     ValueError: the format cannot express `cfg` (names the option).
@@ -406,6 +431,7 @@ def to_hf(cfg: config_lib.ModelConfig, model_type: str) -> dict:
       "num_expert_group": cfg.n_group, "topk_group": cfg.topk_group,
       "routed_scaling_factor": cfg.routed_scaling_factor,
       "moe_renormalize": cfg.moe_renormalize, "dtype": cfg.param_dtype,
+      **carried_fields(source),
   }
   if ling:
     hf.update(rope_parameters=_rope_parameters_out(cfg),

@@ -11,7 +11,10 @@ optimizer state and the data stream at its start, written through
 `python train.py --config=configs/ling3.py:imported=W --workdir=W`.
 
 `export_checkpoint` writes a workdir's newest parameters as a checkpoint
-directory (`save_pretrained`), with its tokenizer.
+directory (`save_pretrained`), with its tokenizer and, for an imported run,
+the source `config.json`'s token ids and other fields kda-lm does not model
+(kept at import as `<workdir>/hf_source_config.json`); a run trained here
+exports null token ids.
 """
 
 import json
@@ -33,6 +36,9 @@ from kda_lm.hf import convert, formats
 from kda_lm.parallel import sharding
 
 TOKENIZER = "tokenizer.json"
+# The imported checkpoint's config.json, kept so that an export carries
+# its token ids and the other fields kda-lm does not model.
+SOURCE_CONFIG = "hf_source_config.json"
 
 
 def _initial_state(run, params, mesh) -> state_lib.TrainState:
@@ -98,6 +104,8 @@ def import_checkpoint(hf_dir: str, workdir: str,
       manager.close()
     workdir_lib.write_config(workdir, config_json, step=0)
   _copy_tokenizer(hf_dir, workdir)
+  with open(os.path.join(workdir, SOURCE_CONFIG), "w") as f:
+    json.dump(hf_config, f, indent=2, sort_keys=True)
   logging.info("Imported %s (%s) into %s at step 0.", hf_dir,
                hf_config["model_type"], workdir)
   return config
@@ -124,9 +132,14 @@ def export_checkpoint(workdir: str, hf_dir: str, *,
   """
   run = state_lib.load_run(workdir)
   model_lib.build(run.config.model)   # Validates before writing.
+  source = None
+  source_path = os.path.join(run.workdir, SOURCE_CONFIG)
+  if os.path.isfile(source_path):
+    with open(source_path) as f:
+      source = json.load(f)
   convert.save_pretrained(run.config.model, run.params, hf_dir,
                           max_shard_size=max_shard_size,
-                          model_type=model_type)
+                          model_type=model_type, source_config=source)
   _copy_tokenizer(run.workdir, hf_dir)
   logging.info("Exported %s (step %d) to %s.", run.workdir, run.step, hf_dir)
   return run
