@@ -13,14 +13,11 @@ meaningless) and is invariant to the array's size and scale; it is FLA's
 reference run in float64, so a float32 implementation's error against it is
 its own error, not the difference of two float32 roundings.
 
-Inputs use FLA's test distributions; shapes follow `kda_lm.ops.chunk_kda`
-(B rows, T tokens, H heads, K key dim, V value dim, N documents).
-
-The KDA op tests (`tests/ops_kda_*_test.py`) share their shapes, inputs,
-error report and compiled forward+gradient calls from here (`KDA_*`,
-`kda_fwd_and_grads`); the training tests (`tests/train_*_test.py`,
-`tests/checkpoint_state_test.py`) their tiny model config and stand-in
-batches (`tiny_train_config`, `table_batch`).
+Inputs use FLA's test distributions; shapes follow `kda_lm.ops.chunk_kda`.
+The KDA op tests share their shapes, inputs, error report and compiled
+forward+gradient calls from here (`KDA_*`, `kda_fwd_and_grads`); the
+training tests their tiny model config and stand-in batches
+(`tiny_train_config`, `table_batch`).
 """
 
 import collections

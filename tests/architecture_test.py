@@ -153,3 +153,31 @@ def environment_reads():
 
 def test_the_library_reads_no_environment_variable():
   assert environment_reads() == []
+
+
+def imported_test_modules(path: str) -> list[str]:
+  """The test modules (`*_test`) a file under tests/ imports."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  names = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names += [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      names.append(node.module)
+  return [n for n in names if n.split(".")[0].endswith("_test")]
+
+
+def test_no_test_module_imports_another(tmp_path):
+  """Shared test code lives in tests/helpers.py and tests/conftest.py; a
+  test module imported by another would run its tests twice and couple
+  the two. (The check itself is shown to see such an import.)"""
+  tests = os.path.join(ROOT, "tests")
+  bad = {name: found for name in sorted(os.listdir(tests))
+         if name.endswith(".py")
+         and (found := imported_test_modules(os.path.join(tests, name)))}
+  assert not bad, bad
+  fake = tmp_path / "fake_test.py"
+  fake.write_text("import model_test\nfrom train_loop_test import x\n"
+                  "import helpers\n")
+  assert imported_test_modules(str(fake)) == ["model_test", "train_loop_test"]

@@ -10,11 +10,6 @@ from kda_lm.checkpoint import state as state_lib
 tiny_config = testing.tiny_train_config
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
-
-
 def test_unknown_and_bad_config_keys(data_dir):
   config = tiny_config(data_dir)
   state_lib.check_config(config)

@@ -42,3 +42,9 @@ def cache_dir(tmp_path_factory):
   jax.config.update("jax_compilation_cache_dir", old[0])
   jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
   compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  """A module's TFDS data directory (built datasets are reused within it)."""
+  return str(tmp_path_factory.mktemp("tfds"))

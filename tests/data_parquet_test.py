@@ -1,7 +1,7 @@
 """Tests of data/parquet.py: exact documents from row groups of several
 files, resume, process shards, and bad files and rows."""
 
-import data_pipeline_test as pipeline_test
+import helpers
 import numpy as np
 import pyarrow as pa
 from pyarrow import parquet as pq
@@ -62,7 +62,7 @@ def test_documents_resume_and_process_shards(corpus, tmp_path):
   assert not set(shards[0]) & set(shards[1])
   assert sorted(shards[0] + shards[1]) == sorted(train)
 
-  pipeline_test.assert_resumes_exactly(config, data_dir,
+  helpers.assert_resumes_exactly(config, data_dir,
                                        str(tmp_path / "ckpt"), 9, 4)
 
 

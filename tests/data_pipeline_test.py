@@ -4,6 +4,7 @@ import logging
 import os
 import time
 
+import helpers
 import ml_collections
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ from kda_lm.checkpoint import workdir as workdir_lib
 
 SEQ_LEN = 32
 BATCH = 4
+_train, _take = helpers.train_iterator, helpers.take
+_assert_same = helpers.assert_same_batches
 
 
 def _config(**overrides):
@@ -27,45 +30,10 @@ def _config(**overrides):
   return config
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
-
-
-def _train(config, data_dir, **kwargs):
-  kwargs.setdefault("process_index", 0)
-  kwargs.setdefault("process_count", 1)
-  return pipeline.make_train_iterator(config, data_dir=data_dir, **kwargs)
-
-
 def _eval(config, data_dir, **kwargs):
   kwargs.setdefault("process_index", 0)
   kwargs.setdefault("process_count", 1)
   return pipeline.make_eval_iterator(config, data_dir=data_dir, **kwargs)
-
-
-def _take(iterator, n):
-  return [next(iterator) for _ in range(n)]
-
-
-def _assert_same(a, b):
-  assert len(a) == len(b)
-  for x, y in zip(a, b, strict=True):
-    assert x.keys() == y.keys()
-    for key in x:
-      np.testing.assert_array_equal(x[key], y[key], err_msg=key)
-
-
-def assert_resumes_exactly(config, data_dir, ckpt_dir, skip, take):
-  """Saves a train iterator after `skip` batches; a new iterator restored
-  from it gives the `take` batches the first one gives next."""
-  it = _train(config, data_dir)
-  _take(it, skip)
-  it.save(ckpt_dir)
-  expected = _take(it, take)
-  resumed = _train(config, data_dir)
-  resumed.restore(ckpt_dir)
-  _assert_same(_take(resumed, take), expected)
 
 
 def test_train_batches(data_dir):

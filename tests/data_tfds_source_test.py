@@ -5,7 +5,7 @@ Two tiny datasets are built here, offline: one with train and validation
 splits, one with a train split only.
 """
 
-import data_pipeline_test as pipeline_test
+import helpers
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
@@ -85,7 +85,7 @@ def test_named_split_hold_out_and_process_shards(data_dir):
 
 def test_resume_mid_epoch_is_exact(data_dir, tmp_path):
   config = _config("tiny_train_only_test")
-  pipeline_test.assert_resumes_exactly(config, data_dir,
+  helpers.assert_resumes_exactly(config, data_dir,
                                        str(tmp_path / "ckpt"), 8, 3)
 
 

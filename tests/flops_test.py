@@ -1,7 +1,7 @@
 """Tests of kda_lm/flops.py: parameter counts, step FLOPs, device peaks."""
 
+import helpers
 import jax
-import model_test
 import numpy as np
 import pytest
 
@@ -22,13 +22,13 @@ def test_counts_from_either_layout_and_activated_experts():
   """The same counts from the traced parameters, the unscanned and the
   scanned layout; activated = all but the embedding, and k of E routed
   experts."""
-  cfg = model_test.tiny_config(
+  cfg = helpers.tiny_config(
       attention_pattern="KMKMKM", num_experts=4, num_experts_per_tok=2,
       moe_intermediate_size=16, first_k_dense_replace=2)
   traced = flops.count_params(cfg)
   params = model.abstract_params(cfg)
   assert flops.count_params(cfg, params) == traced
-  scanned_cfg = model_test.tiny_config(**dict(cfg, scan_layers=True))
+  scanned_cfg = helpers.tiny_config(**dict(cfg, scan_layers=True))
   scanned = stack.to_scanned(
       jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), params), scanned_cfg)
   assert flops.count_params(scanned_cfg, scanned) == traced
@@ -42,7 +42,7 @@ def test_counts_from_either_layout_and_activated_experts():
 
 
 def test_step_flops_scale_with_rows_and_grow_with_t():
-  cfg = model_test.tiny_config(attention_pattern="KM")
+  cfg = helpers.tiny_config(attention_pattern="KM")
   one = flops.step_flops(cfg, 1, 64)
   assert flops.step_flops(cfg, 3, 64) == pytest.approx(3 * one)
   # Causal MLA grows faster than linearly in T; the rest is linear.

@@ -4,6 +4,7 @@ a run (kda_lm.checkpoint.state.load_run)."""
 import json
 import os
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,20 +19,9 @@ from kda_lm.infer import evaluate
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
-def tiny_model_config(m):
-  """Shrinks ling3_tiny's `model` section in place to a dense "KM" model
-  (the evaluation and generation tests' model)."""
-  m.d_model, m.num_heads, m.head_dim = 32, 2, 8
-  m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim = 16, 8, 4
-  m.v_head_dim, m.mlp_hidden_dim = 8, 32
-  m.attention_pattern, m.num_experts = "KM", 0
-  m.kda_chunk_size = 16
-  return m
-
-
 def tiny_run_config(tmp_path):
   config = ling3_tiny.get_config()
-  tiny_model_config(config.model)
+  helpers.tiny_model_config(config.model)
   d = config.data
   d.vocab_size, d.delay, d.min_len, d.max_len = 16, 4, 8, 40
   d.num_train_docs, d.num_eval_docs = 8, 12

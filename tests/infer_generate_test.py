@@ -12,7 +12,7 @@ documents of delay 1 (one repeated token) that is a perfect copier; on delay
 import functools
 import os
 
-import infer_evaluate_test
+import helpers
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -34,7 +34,7 @@ VOCAB = 16
 
 def tiny_config(delay):
   config = ling3_tiny.get_config()
-  m = infer_evaluate_test.tiny_model_config(config.model)
+  m = helpers.tiny_model_config(config.model)
   m.num_mtp_layers, m.vocab_size = 0, VOCAB
   config.data.delay = delay
   return config

@@ -1,9 +1,9 @@
 """Tests of kda_lm/layers/mla.py (and rope.py): MLA == a naive attention."""
 
-import functools
 import math
 
 import haiku as hk
+import helpers
 import jax
 import numpy as np
 import pytest
@@ -319,32 +319,11 @@ def test_bad_dims_and_shapes():
     f.init(jax.random.key(0), x, None, np.ones((4,), np.int32))
 
 
-def record_rope(monkeypatch):
-  """Makes `rope.apply_rope` record (positions, rotated output) per call;
-  returns `run(f, *args)`: jit(f)(*args)'s recorded calls, as numpy."""
-  calls = []
-  apply_rope = rope.apply_rope
-
-  def recording(x, positions, theta, scaling=rope.NO_SCALING):
-    out = apply_rope(x, positions, theta, scaling)
-    calls.append((positions, out))
-    return out
-
-  def traced(f, *args):
-    calls.clear()
-    f(*args)
-    return list(calls)
-
-  monkeypatch.setattr(rope, "apply_rope", recording)
-  return lambda f, *args: jax.tree.map(
-      np.asarray, jax.jit(functools.partial(traced, f))(*args))
-
-
 def test_document_at_an_offset_gets_its_own_rope_positions(monkeypatch):
   """Packed at t=4, document 2 gets the positions and rotated q/k it gets
   alone (RoPE being relative, the attention output alone would not show a
   shift of a whole document)."""
-  run = record_rope(monkeypatch)
+  run = helpers.record_rope(monkeypatch)
   rng = np.random.default_rng(4)
   # Row 0: SEG's packed row; row 1: its document 2 alone, then padding.
   x = np.zeros((2, 12, D), np.float32)

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import haiku as hk
+import helpers
 import jax
 import jax.numpy as jnp
-import model_test
 import numpy as np
 import pytest
 
@@ -384,7 +384,7 @@ def test_bad_router_dims():
 
 
 # One KDA layer with a dense FFN, then one MLA layer with the MoE.
-MOE_CONFIG = model_test.tiny_config(
+MOE_CONFIG = helpers.tiny_config(
     attention_pattern="KM", num_experts=8, num_experts_per_tok=2,
     num_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1,
     routed_scaling_factor=2.5, n_group=2, topk_group=2)
@@ -393,7 +393,7 @@ MOE_CONFIG = model_test.tiny_config(
 @functools.lru_cache(maxsize=None)
 def _model_setup():
   m = model.build(MOE_CONFIG)
-  tokens, seg = model_test._packed_row(0)
+  tokens, seg = helpers.packed_row(0)
   params = jax.jit(m.init)(jax.random.key(0), tokens, seg)
   # Random selection biases, so routing differs from bias-free routing.
   for module in model.router_bias_modules(MOE_CONFIG):
@@ -402,27 +402,18 @@ def _model_setup():
   return m, params, jax.jit(m.apply, static_argnames="return_aux")
 
 
-def _alone_rows(tokens, seg):
-  """Row 0 packed, row 1 + i: document i alone at a row start, padded."""
-  rows, segs = [tokens[0]], [seg[0]]
-  for i, n in enumerate(model_test.LENS):
-    rows.append(np.pad(model_test._doc(tokens, i)[0], (0, model_test.T - n)))
-    segs.append(np.pad(np.ones(n, np.int32), (0, model_test.T - n)))
-  return np.stack(rows), np.stack(segs)
-
-
 def test_moe_model_packed_equals_unpacked_and_param_count():
   m, params, apply = _model_setup()
-  tokens, seg = _alone_rows(*model_test._packed_row(1))
+  tokens, seg = helpers.alone_rows(*helpers.packed_row(1))
   # One call (one compilation): routing is per token, so rows don't mix.
   out, aux = apply(params, tokens, seg, return_aux=True)
   out = np.asarray(out)
   assert aux["expert_load"].shape == (1, 8)
   np.testing.assert_array_equal(aux["expert_load"].sum(-1),
                                 2 * np.sum(seg != 0))
-  for i, n in enumerate(model_test.LENS):
+  for i, n in enumerate(helpers.LENS):
     alone = out[1 + i, :n]
-    got = model_test._doc(out[:1], i)[0]
+    got = helpers.doc(out[:1], i)[0]
     err = np.abs(got - alone).max() / np.abs(alone).max()
     assert err <= 1e-5, (i, err)
   n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(

@@ -3,10 +3,9 @@
 import functools
 
 import haiku as hk
+import helpers
 import jax
 import jax.numpy as jnp
-import layers_moe_test as moe_test
-import model_test
 import numpy as np
 import optax
 import pytest
@@ -17,16 +16,9 @@ from kda_lm.layers import moe, mtp
 from kda_lm.train import step as step_lib
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
+ROW = helpers.LOSS_ROW
+
 pytestmark = pytest.mark.usefixtures("fast_compile")
-
-
-# Documents A = 10 11 12 13 and B = 20 21 22 23 24 packed as
-# `data/packing.py` does (inputs t[:-1], targets t[1:]), then padding.
-ROW = dict(
-    inputs=np.array([[10, 11, 12, 20, 21, 22, 23, 0]], np.int32),
-    targets=np.array([[11, 12, 13, 21, 22, 23, 24, 0]], np.int32),
-    segment_ids=np.array([[1, 1, 1, 2, 2, 2, 2, 0]], np.int32),
-    loss_mask=np.array([[1, 1, 1, 1, 1, 1, 1, 0]], np.float32))
 
 
 def test_targets_never_cross_documents_exact():
@@ -53,7 +45,7 @@ def test_targets_never_cross_documents_exact():
 
 
 # MLA-only main stack (compiles fast); MoE after one dense layer.
-MTP_CONFIG = model_test.tiny_config(
+MTP_CONFIG = helpers.tiny_config(
     attention_pattern="MM", num_mtp_layers=2, num_experts=4,
     num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=16,
     first_k_dense_replace=1)
@@ -62,7 +54,7 @@ MTP_CONFIG = model_test.tiny_config(
 @functools.lru_cache(maxsize=None)
 def _setup():
   m = model.build(MTP_CONFIG)
-  tokens, seg = model_test._packed_row(0)
+  tokens, seg = helpers.packed_row(0)
   params = jax.jit(m.init)(jax.random.key(0), tokens, seg)
   return m, params, jax.jit(m.apply, static_argnames="return_aux")
 
@@ -75,16 +67,16 @@ def test_mtp_model_packed_equals_unpacked_and_shapes():
   n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
   assert n == model.param_count(MTP_CONFIG)
   assert "lm_head_1" not in params   # the LM head is shared
-  tokens, seg = moe_test._alone_rows(*model_test._packed_row(1))
+  tokens, seg = helpers.alone_rows(*helpers.packed_row(1))
   logits, aux = apply(params, tokens, seg, return_aux=True)
-  assert aux["mtp_logits"].shape == (2, 4, model_test.T, model_test.VOCAB)
+  assert aux["mtp_logits"].shape == (2, 4, helpers.T, helpers.VOCAB)
   assert aux["expert_load"].shape == (1 + 2, 4)
   mtp_logits = np.asarray(aux["mtp_logits"])
-  for i, n in enumerate(model_test.LENS):
+  for i, n in enumerate(helpers.LENS):
     for k in range(2):
       # Positions with an MTP target in the document (the last k+1 have
       # none; they see a zero embedding instead of the next document).
-      got = model_test._doc(mtp_logits[k, :1], i)[0]
+      got = helpers.doc(mtp_logits[k, :1], i)[0]
       want = mtp_logits[k, 1 + i, :n]
       n_valid = n - (k + 1)
       if n_valid > 0:
@@ -99,7 +91,7 @@ def test_mtp_model_packed_equals_unpacked_and_shapes():
 def test_update_step_mtp_loss_and_router_bias():
   """One update: loss + 0.1 * MTP, biases moved from the load, not by SGD."""
   m, params, apply = _setup()
-  tokens, seg = model_test._packed_row(2)
+  tokens, seg = helpers.packed_row(2)
   batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1),
            "segment_ids": seg, "loss_mask": (seg != 0).astype(np.float32),
            "positions": np.asarray(model.segments.positions_from_segment_ids(
@@ -156,12 +148,12 @@ def test_mtp_logits_packed_equal_alone_at_every_position():
   """
   m, params, apply = _setup()
   del m
-  tokens, seg = moe_test._alone_rows(*model_test._packed_row(4))
+  tokens, seg = helpers.alone_rows(*helpers.packed_row(4))
   _, aux = apply(params, tokens, seg, return_aux=True)
   mtp_logits = np.asarray(aux["mtp_logits"])
-  for i, n in enumerate(model_test.LENS):
+  for i, n in enumerate(helpers.LENS):
     for k in range(2):
-      got = model_test._doc(mtp_logits[k, :1], i)[0]
+      got = helpers.doc(mtp_logits[k, :1], i)[0]
       want = mtp_logits[k, 1 + i, :n]
       err = np.abs(got - want).max() / np.abs(want).max()
       assert err <= 1e-5, (i, k, err)

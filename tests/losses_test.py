@@ -1,8 +1,8 @@
 """Tests of kda_lm/losses.py: masked cross-entropy and the MTP loss."""
 
+import helpers
 import jax
 import jax.numpy as jnp
-import layers_mtp_test
 import numpy as np
 import optax
 import pytest
@@ -10,7 +10,7 @@ import pytest
 from kda_lm import losses, testing
 
 # A packed row of two documents, then padding.
-ROW = layers_mtp_test.ROW
+ROW = helpers.LOSS_ROW
 
 
 def test_loss_terms_are_masked_sums():

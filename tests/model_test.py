@@ -5,9 +5,9 @@ import subprocess
 import sys
 
 import haiku as hk
+import helpers
 import jax
 import jax.numpy as jnp
-import layers_mla_test
 import numpy as np
 import pytest
 
@@ -15,24 +15,13 @@ from configs import ling3_tiny
 from kda_lm import layers, model, ops, optimizer
 from kda_lm.layers import moe
 
-VOCAB, T = 32, 128
-LENS = (3, 70, 40)   # < conv window; crosses the 64-token chunk boundary.
-STARTS = (0, 3, 73)  # then 15 padding tokens.
-
+VOCAB, T = helpers.VOCAB, helpers.T
+LENS, STARTS = helpers.LENS, helpers.STARTS
+tiny_config = helpers.tiny_config
+_packed_row, _doc = helpers.packed_row, helpers.doc
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
-
-
-def tiny_config(**overrides):
-  """ling3_tiny's model dict shrunk for tests (d_model 32, vocab 32)."""
-  m = ling3_tiny.model_config()
-  m.update(dict(vocab_size=VOCAB, d_model=32, num_heads=2, head_dim=16,
-                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                v_head_dim=16, mlp_hidden_dim=64, moe_intermediate_size=32,
-                kda_impl="xla"))
-  m.update(overrides)
-  return m
 
 
 CONFIGS = {
@@ -52,20 +41,6 @@ def _setup(name):
   tokens, seg = _packed_row(0)
   params = jax.jit(m.init)(jax.random.key(0), tokens, seg)
   return params, jax.jit(m.apply)
-
-
-def _packed_row(seed):
-  rng = np.random.default_rng(seed)
-  tokens = rng.integers(0, VOCAB, (1, T)).astype(np.int32)
-  seg = np.zeros((1, T), np.int32)
-  for i, (s, n) in enumerate(zip(STARTS, LENS, strict=True)):
-    seg[0, s:s + n] = i + 1
-  tokens[seg == 0] = 0
-  return tokens, seg
-
-
-def _doc(x, i):
-  return x[:, STARTS[i]:STARTS[i] + LENS[i]]
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -260,7 +235,7 @@ def test_packed_documents_get_their_own_rope_positions(monkeypatch):
   rotated q/k) in every MLA layer are the ones it gets alone. RoPE is
   relative, so the logits alone would barely show a document shifted to its
   row offset."""
-  run = layers_mla_test.record_rope(monkeypatch)
+  run = helpers.record_rope(monkeypatch)
   m = model.build(tiny_config(attention_pattern="MM"))
   # Row 0 packed; row 1 + i: document i alone at the row start, padded.
   packed_tokens, packed_seg = _packed_row(5)

@@ -4,10 +4,10 @@ and the rematerialisation policies."""
 import collections
 import functools
 
+import helpers
 import jax
 import jax.extend
 import jax.numpy as jnp
-import model_test
 import numpy as np
 import pytest
 
@@ -20,15 +20,15 @@ from kda_lm.infer import decoding
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 # Dense layers 0-1, then the group KM three times (layers 2-7); MTP block.
-UNSCANNED = model_test.tiny_config(
+UNSCANNED = helpers.tiny_config(
     attention_pattern="KMKMKMKM", num_experts=4, num_experts_per_tok=2,
     num_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=2,
     num_mtp_layers=1, mtp_layer_kind="K")
-SCANNED = model_test.tiny_config(**dict(UNSCANNED, scan_layers=True))
+SCANNED = helpers.tiny_config(**dict(UNSCANNED, scan_layers=True))
 
 
 def _cfg(**overrides):
-  return config.ModelConfig.from_config(model_test.tiny_config(**overrides))
+  return config.ModelConfig.from_config(helpers.tiny_config(**overrides))
 
 
 def test_find_group_of_the_published_stacks():
@@ -60,7 +60,7 @@ def test_find_group_without_a_repeat_unrolls_everything():
 
 def _batch(seed, B=2, T=24):
   rng = np.random.default_rng(seed)
-  tokens = rng.integers(0, model_test.VOCAB, (B, T)).astype(np.int32)
+  tokens = rng.integers(0, helpers.VOCAB, (B, T)).astype(np.int32)
   seg = np.stack([testing.random_segment_row(rng, T) for _ in range(B)])
   return jnp.asarray(tokens), jnp.asarray(seg)
 

@@ -3,9 +3,9 @@ layers: equal to the plain step, and resumable bit-exactly."""
 
 import functools
 
+import helpers
 import jax
 import jax.numpy as jnp
-import model_test
 import numpy as np
 import optax
 import pytest
@@ -21,7 +21,7 @@ from kda_lm.train import step as step_lib
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 # A dense layer, MoE layers with a scanned group (KM twice), an MTP block.
-MODEL = model_test.tiny_config(
+MODEL = helpers.tiny_config(
     attention_pattern="KMKMKM", num_experts=4, num_experts_per_tok=2,
     num_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1,
     num_mtp_layers=1, router_bias_update_rate=0.01)
@@ -32,7 +32,7 @@ def _batch(seed, B=8, T=16):
   rng = np.random.default_rng(seed)
   seg = np.stack([testing.random_segment_row(rng, T) for _ in range(B)])
   seg[B // 2:, T // 2:] = 0                  # half-empty rows
-  tokens = rng.integers(0, model_test.VOCAB, (B, T + 1)).astype(np.int32)
+  tokens = rng.integers(0, helpers.VOCAB, (B, T + 1)).astype(np.int32)
   mask = (seg != 0).astype(np.float32)
   mask[:, 0] = 0                             # unscored targets too
   return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
@@ -67,7 +67,7 @@ def _assert_same_step(got, want):
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_accumulated_step_equals_the_whole_batch(scan):
-  cfg = model_test.tiny_config(**dict(MODEL, scan_layers=scan))
+  cfg = helpers.tiny_config(**dict(MODEL, scan_layers=scan))
   init = state_lib.make_init_fn(model.build(cfg), optax.sgd(0.5), 16)
   state = jax.jit(init)(jax.random.PRNGKey(0))
   batch = jax.tree.map(jnp.asarray, _batch(1))
@@ -92,7 +92,7 @@ def test_accumulated_step_equals_the_whole_batch(scan):
 
 
 def test_eval_step_in_pieces_equals_whole_logits():
-  cfg = model_test.tiny_config(**MODEL)
+  cfg = helpers.tiny_config(**MODEL)
   m = model.build(cfg)
   params = jax.jit(m.init)(jax.random.PRNGKey(0),
                            jnp.zeros((1, 16), jnp.int32))
@@ -106,11 +106,6 @@ def test_eval_step_in_pieces_equals_whole_logits():
   assert float(whole[2]) == float(batch["loss_mask"].sum())
   with pytest.raises(ValueError, match="needs the model's head_weight"):
     losses.make_eval_step(m, chunks=4)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
 
 
 def _config(data_dir, **extra):

@@ -11,9 +11,8 @@ import glob
 import os
 import subprocess
 
+import helpers
 import pytest
-import train_loop_test as loop_test
-from train_loop_test import data_dir  # noqa: F401  (fixture)
 
 from kda_lm import testing
 from kda_lm.checkpoint import manager as manager_lib
@@ -53,14 +52,14 @@ def small_disk(tmp_path):
 
 def _train(config_file, workdir, cache_dir):
   return subprocess.run(
-      loop_test.train_command(config_file, workdir, *STEPS),
+      helpers.train_command(config_file, workdir, *STEPS),
       cwd=testing.REPO, env=testing.subprocess_env(cache_dir),
       capture_output=True, text=True, timeout=300, check=False)
 
 
 def test_full_disk_stops_in_one_block_and_resumes_exactly(
     tmp_path, data_dir, cache_dir, small_disk):  # noqa: F811
-  config_file = loop_test.write_config_file(tmp_path, data_dir)
+  config_file = helpers.write_config_file(tmp_path, data_dir)
   ref = str(tmp_path / "ref")
   assert _train(config_file, ref, cache_dir).returncode == 0
   ckpt = _size(os.path.join(ref, "checkpoints", "20"))
@@ -85,8 +84,8 @@ def test_full_disk_stops_in_one_block_and_resumes_exactly(
   small_disk(8 * (rest + ckpt))                 # Space freed: resume.
   resumed = _train(config_file, workdir, cache_dir)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
-  want = {r["step"]: r["loss"] for r in loop_test.train_rows(ref)}
-  got = {r["step"]: r["loss"] for r in loop_test.train_rows(workdir)}
+  want = {r["step"]: r["loss"] for r in helpers.train_rows(ref)}
+  got = {r["step"]: r["loss"] for r in helpers.train_rows(workdir)}
   assert [s for s in got if s > 5] == [10, 15, 20]
   for step in (10, 15, 20):
     assert got[step] == want[step], step

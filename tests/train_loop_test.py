@@ -8,11 +8,10 @@ import signal
 import subprocess
 import sys
 import time
-import types
 from unittest import mock
 
+import helpers
 import jax
-import ml_collections
 import numpy as np
 import pytest
 
@@ -22,13 +21,11 @@ from kda_lm.checkpoint import compat, data_item, manifest
 from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import workdir as workdir_lib
 from kda_lm.train import loop as train_loop
-from kda_lm.train import metrics, preemption
+from kda_lm.train import metrics
 
 # Subprocesses (a new process for resuming, SIGKILL, 4 fake CPU devices) run
 # `train.py` on a generated config file; they share the TFDS data dir and a
 # persistent JAX compilation cache with this process.
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -38,51 +35,7 @@ overrides = testing.tiny_train_overrides
 tiny_config = testing.tiny_train_config
 _table_batch = testing.table_batch
 _one_device_sharding = testing.one_device_batch_sharding
-
-_CONFIG_FILE = """
-from configs import ling3_tiny
-
-OVERRIDES = {overrides!r}
-
-
-def get_config(arg=None):
-  config = ling3_tiny.get_config(arg)
-  for key, value in OVERRIDES.items():
-    section, name = key.split(".")
-    config[section][name] = value
-  return config
-"""
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
-
-
-def write_config_file(tmp_path, data_dir, **extra):
-  path = tmp_path / f"config_{len(os.listdir(tmp_path))}.py"
-  path.write_text(_CONFIG_FILE.format(overrides=overrides(data_dir,
-                                                          **extra)))
-  return str(path)
-
-
-def train_command(config_file, workdir, *flags):
-  return [sys.executable, os.path.join(REPO, "train.py"),
-          f"--config={config_file}", f"--workdir={workdir}", *flags]
-
-
-def run_train(config_file, workdir, cache_dir, *flags, xla_flags="",
-              timeout=300):
-  result = subprocess.run(
-      train_command(config_file, workdir, *flags), cwd=REPO,
-      env=testing.subprocess_env(cache_dir, xla_flags), capture_output=True,
-      text=True, timeout=timeout, check=False)
-  assert result.returncode == 0, result.stderr[-4000:]
-  return result
-
-
-def train_rows(workdir):
-  return [r for r in metrics.read_metrics(workdir) if "loss" in r]
+_config_file, _command = helpers.write_config_file, helpers.train_command
 
 
 def eval_losses(workdir):
@@ -153,13 +106,13 @@ def test_exact_resume_in_a_new_process(tmp_path, data_dir, cache_dir):
   resumed = str(tmp_path / "resumed")
   train_loop.train_and_evaluate(
       tiny_config(data_dir, train__num_steps=n, **common), resumed)
-  config_file = write_config_file(tmp_path, data_dir, **common)
-  result = run_train(config_file, resumed, cache_dir,
+  config_file = _config_file(tmp_path, data_dir, **common)
+  result = helpers.run_train(config_file, resumed, cache_dir,
                      f"--config.train.num_steps={2 * n}")
   assert f"Resuming from the checkpoint of step {n}" in result.stderr
-  losses = [(r["step"], r["loss"]) for r in train_rows(straight)]
+  losses = [(r["step"], r["loss"]) for r in helpers.train_rows(straight)]
   assert [s for s, _ in losses] == list(range(1, 2 * n + 1))
-  assert [(r["step"], r["loss"]) for r in train_rows(resumed)] == losses
+  assert [(r["step"], r["loss"]) for r in helpers.train_rows(resumed)] == losses
   restored = restore_params(resumed, state)
   assert int(restored.step) == 2 * n
   assert_trees_equal(restored.params, state.params)
@@ -168,12 +121,12 @@ def test_exact_resume_in_a_new_process(tmp_path, data_dir, cache_dir):
 
 def test_sigkill_then_rerun_resumes(tmp_path, data_dir, cache_dir):
   workdir = str(tmp_path / "run")
-  config_file = write_config_file(
+  config_file = _config_file(
       tmp_path, data_dir, train__num_steps=100_000, train__log_every=50,
       eval__every_steps=0, checkpoint__every_steps=5,
       checkpoint__max_to_keep=2)
   proc = subprocess.Popen(
-      train_command(config_file, workdir), cwd=REPO,
+      _command(config_file, workdir), cwd=testing.REPO,
       env=testing.subprocess_env(cache_dir), stdout=subprocess.DEVNULL,
       stderr=subprocess.DEVNULL)
   checkpoints = os.path.join(workdir, "checkpoints")
@@ -199,7 +152,7 @@ def test_sigkill_then_rerun_resumes(tmp_path, data_dir, cache_dir):
                        checkpoint__every_steps=5, checkpoint__max_to_keep=2)
   state = train_loop.train_and_evaluate(config, workdir)
   assert int(state.step) == last + 3
-  steps = [r["step"] for r in train_rows(workdir)]
+  steps = [r["step"] for r in helpers.train_rows(workdir)]
   assert steps == sorted(set(steps)) and steps[-1] == last + 3
 
 
@@ -251,6 +204,7 @@ import json
 import logging
 import sys
 
+import helpers
 import jax
 
 from kda_lm.parallel import sharding
@@ -280,8 +234,8 @@ def _run_four_devices(config_file, runs, cache_dir):
           for mesh, steps, workdir in runs]
   result = subprocess.run(
       [sys.executable, "-c", _FOUR_DEVICES, config_file, json.dumps(runs)],
-      cwd=REPO, capture_output=True, text=True, timeout=900, check=False,
-      env=testing.subprocess_env(
+      cwd=testing.REPO, capture_output=True, text=True, timeout=900,
+      check=False, env=testing.subprocess_env(
           cache_dir, "--xla_force_host_platform_device_count=4"))
   assert result.returncode == 0, result.stderr[-4000:]
   meshes = [f"{{'data': {m['data']}, 'fsdp': {m['fsdp']}, 'expert': "
@@ -293,7 +247,7 @@ def _run_four_devices(config_file, runs, cache_dir):
 
 
 def _assert_same_rows(workdir, expected, steps):
-  rows = train_rows(workdir)
+  rows = helpers.train_rows(workdir)
   assert [r["step"] for r in rows] == steps
   for row, want in zip(rows, expected, strict=True):
     for key in ("loss", "accuracy", "grad_norm"):
@@ -309,11 +263,11 @@ def test_four_devices_match_one(tmp_path, data_dir, cache_dir):
   one = str(tmp_path / "one")
   train_loop.train_and_evaluate(tiny_config(data_dir, **common), one)
   workdirs = [str(tmp_path / name) for name in ("four", "fsdp_context")]
-  config_file = write_config_file(tmp_path, data_dir, **common)
+  config_file = _config_file(tmp_path, data_dir, **common)
   _run_four_devices(config_file, [((4, 1, 1), 3, workdirs[0]),
                                   ((1, 2, 2), 2, workdirs[1]),
                                   ((4, 1, 1), 3, workdirs[1])], cache_dir)
-  expected, expected_eval = train_rows(one), eval_losses(one)
+  expected, expected_eval = helpers.train_rows(one), eval_losses(one)
   assert sorted(expected_eval) == [3]
   for workdir in workdirs:
     _assert_same_rows(workdir, expected, [1, 2, 3])
@@ -332,10 +286,10 @@ def test_ten_steps_on_each_mesh_match_one_device(tmp_path, data_dir,
   runs = [(1, 4, 1), (4, 1, 1), (2, 2, 1)]
   runs = [(mesh, 10, str(tmp_path / f"mesh_{i}"))
           for i, mesh in enumerate(runs)]
-  _run_four_devices(write_config_file(tmp_path, data_dir, **common), runs,
+  _run_four_devices(_config_file(tmp_path, data_dir, **common), runs,
                     cache_dir)
   for _, _, workdir in runs:
-    _assert_same_rows(workdir, train_rows(one), list(range(1, 11)))
+    _assert_same_rows(workdir, helpers.train_rows(one), list(range(1, 11)))
 
 
 def test_expert_parallel_runs_match_one_device(tmp_path, data_dir,
@@ -348,12 +302,12 @@ def test_expert_parallel_runs_match_one_device(tmp_path, data_dir,
   one = str(tmp_path / "one")
   train_loop.train_and_evaluate(tiny_config(data_dir, **common), one)
   workdir = str(tmp_path / "expert")
-  _run_four_devices(write_config_file(tmp_path, data_dir, **common),
+  _run_four_devices(_config_file(tmp_path, data_dir, **common),
                     [((1, 1, 1, 4), 5, workdir),
                      ((2, 1, 1, 2), 10, workdir)], cache_dir)
-  rows = train_rows(workdir)
+  rows = helpers.train_rows(workdir)
   assert [r["step"] for r in rows] == list(range(1, 11))
-  for row, want in zip(rows, train_rows(one), strict=True):
+  for row, want in zip(rows, helpers.train_rows(one), strict=True):
     for key in ("loss", "grad_norm"):
       np.testing.assert_allclose(row[key], want[key], rtol=1e-5,
                                  err_msg=f"step {row['step']} {key}")
@@ -363,86 +317,14 @@ def test_expert_parallel_runs_match_one_device(tmp_path, data_dir,
 # Log rows of the training loop, with a stand-in run.
 
 
-class _Clock:
-  """Stands in for the `time` module inside kda_lm.train.metrics."""
-
-  def __init__(self):
-    self.now = 1000.0
-
-  def time(self):
-    return self.now
-
-
-class _LoopRun:
-  """The parts of `train_loop._Run` that `_train_loop` uses: steps with known
-  metrics that take known (fake) times, log rows recorded."""
-
-  check_finite = train_loop._Run.check_finite  # pylint: disable=protected-access
-  log_startup = train_loop._Run.log_startup  # pylint: disable=protected-access
-  phases = ()
-
-  def __init__(self, clock, num_steps, log_every, ckpt_every):
-    self.cfg = ml_collections.ConfigDict({
-        "train": {"num_steps": num_steps, "log_every": log_every},
-        "eval": {"every_steps": 0},
-        "checkpoint": {"every_steps": ckpt_every},
-        "data": {"batch_size": 2, "seq_len": 4},
-        "model": {"vocab_size": 11}})
-    self.clock = clock
-    self.start_step = 0
-    self.manager = None
-    self.eval_batches = None
-    self.last_checkpoint = None
-    rng = np.random.default_rng(0)
-    self.train_it = iter(lambda: _table_batch(rng, 11, 2, 4, 8), None)
-    self.steps = types.SimpleNamespace(
-        update=self.update, batch_sharding=_one_device_sharding(),
-        flops_per_token=0.0)
-    self.output = types.SimpleNamespace(
-        train_row=self.log_row,
-        writer=types.SimpleNamespace(flush=lambda: None))
-    self.rows, self.checkpoints = [], []
-    self.preemption = preemption.Preemption(multi_process=False)
-    self.save_clock = preemption.SaveClock(None)
-
-  @staticmethod
-  def loss(step):
-    return float(step * step)
-
-  def update(self, state, batch):
-    del batch
-    step = int(state) + 1
-    self.clock.now += 100.0 if step == 1 else 2.0   # Step 1 compiles.
-    return step, {"loss": jax.numpy.float32(self.loss(step)),
-                  "accuracy": jax.numpy.float32(step / 10),
-                  "grad_norm": jax.numpy.float32(1.0),
-                  "update_norm": jax.numpy.float32(1.0),
-                  "lr": jax.numpy.float32(step * 1e-3)}
-
-  def log_row(self, step, row):
-    self.rows.append((step, row))
-
-  def checkpoint(self, step, state, wait=False):
-    del state
-    self.checkpoints.append((step, "wait") if wait else step)
-    self.clock.now += 50.0    # Left out of tokens/s (window.paused).
-    self.save_clock.saved()
-
-  def preempted(self, step):
-    return preemption.Preempted(step, "the test")
-
-  def finish(self, state):
-    del state
-
-
 def test_log_rows_average_their_steps_and_leave_out_compilation(
     monkeypatch):
   """log_every = 3 over 7 steps: rows at 3, 6 and 7, each the mean of its
   steps' metrics (the first row's includes the compile step); tokens/s
   counts neither the compile step nor checkpoint time."""
-  clock = _Clock()
+  clock = helpers.Clock()
   monkeypatch.setattr(metrics, "time", clock)
-  run = _LoopRun(clock, num_steps=7, log_every=3, ckpt_every=3)
+  run = helpers.LoopRun(clock, num_steps=7, log_every=3, ckpt_every=3)
   final = train_loop._train_loop(run, 0)  # pylint: disable=protected-access
   assert final == 7
   assert run.checkpoints == [3, 6, 7]
@@ -481,7 +363,7 @@ def test_torn_metrics_line_resumes(tmp_path, data_dir, caplog):
     train_loop.train_and_evaluate(
         tiny_config(data_dir, train__num_steps=4, **common), workdir)
   assert "torn" in caplog.text and path in caplog.text
-  assert [r["step"] for r in train_rows(workdir)] == [1, 2, 3, 4]
+  assert [r["step"] for r in helpers.train_rows(workdir)] == [1, 2, 3, 4]
 
 
 def test_changed_data_on_resume_is_refused_unless_allowed(tmp_path,
@@ -504,8 +386,8 @@ def test_changed_data_on_resume_is_refused_unless_allowed(tmp_path,
     assert json.load(f)["data"]["dataset_seed"] == 0   # not overwritten
   new_seed.train.allow_config_change = True
   train_loop.train_and_evaluate(new_seed, changed)
-  before = [r["loss"] for r in train_rows(same)]
-  after = [r["loss"] for r in train_rows(changed)]
+  before = [r["loss"] for r in helpers.train_rows(same)]
+  after = [r["loss"] for r in helpers.train_rows(changed)]
   assert after[:2] == before[:2] and after[2:] != before[2:]
   with open(os.path.join(changed, "config.json")) as f:
     assert json.load(f)["data"]["dataset_seed"] == 1
@@ -518,10 +400,10 @@ def test_changed_data_on_resume_is_refused_unless_allowed(tmp_path,
 def test_second_trainer_on_a_locked_workdir_is_refused(tmp_path, data_dir,
                                                        cache_dir):
   workdir = str(tmp_path / "run")
-  config_file = write_config_file(tmp_path, data_dir, train__num_steps=6,
+  config_file = _config_file(tmp_path, data_dir, train__num_steps=6,
                                   eval__every_steps=0)
   first = subprocess.Popen(
-      train_command(config_file, workdir), cwd=REPO,
+      _command(config_file, workdir), cwd=testing.REPO,
       env=testing.subprocess_env(cache_dir), stdout=subprocess.DEVNULL,
       stderr=subprocess.PIPE, text=True)
   lock = os.path.join(workdir, workdir_lib.LOCK_FILE)
@@ -532,7 +414,7 @@ def test_second_trainer_on_a_locked_workdir_is_refused(tmp_path, data_dir,
       time.sleep(0.05)
     first.send_signal(signal.SIGSTOP)   # alive, holding the lock
     second = subprocess.run(
-        train_command(config_file, workdir), cwd=REPO,
+        _command(config_file, workdir), cwd=testing.REPO,
         env=testing.subprocess_env(cache_dir), capture_output=True, text=True,
         timeout=300, check=False)
     assert second.returncode != 0
@@ -541,7 +423,7 @@ def test_second_trainer_on_a_locked_workdir_is_refused(tmp_path, data_dir,
     first.send_signal(signal.SIGCONT)
   _, stderr = first.communicate(timeout=300)
   assert first.returncode == 0, stderr[-3000:]
-  assert [r["step"] for r in train_rows(workdir)] == list(range(1, 7))
+  assert [r["step"] for r in helpers.train_rows(workdir)] == list(range(1, 7))
 
 
 def test_bit_flipped_checkpoint_falls_back_with_exact_losses(
@@ -564,8 +446,8 @@ def test_bit_flipped_checkpoint_falls_back_with_exact_losses(
     train_loop.train_and_evaluate(
         tiny_config(data_dir, train__num_steps=6, **common), workdir)
   assert "SHA-256" in caplog.text and step_4 in caplog.text
-  assert ([(r["step"], r["loss"]) for r in train_rows(workdir)] ==
-          [(r["step"], r["loss"]) for r in train_rows(straight)])
+  assert ([(r["step"], r["loss"]) for r in helpers.train_rows(workdir)] ==
+          [(r["step"], r["loss"]) for r in helpers.train_rows(straight)])
 
 
 def test_failed_save_stops_the_run_naming_the_reason(tmp_path, data_dir,

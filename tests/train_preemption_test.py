@@ -8,10 +8,9 @@ import subprocess
 import time
 
 from absl import logging
+import helpers
 import numpy as np
 import pytest
-import train_loop_test as loop_test
-from train_loop_test import data_dir  # noqa: F401  (fixture)
 
 from kda_lm import testing
 from kda_lm.checkpoint import manager as manager_lib
@@ -66,9 +65,9 @@ def test_the_loop_saves_the_signalled_step_synchronously_and_stops(
   checkpoint written synchronously, no later step runs, and step 5 is not
   evaluated (the grace period goes to the save), although the loop treats
   it as the last step and evaluates every 4 steps and at the last."""
-  clock = loop_test._Clock()  # pylint: disable=protected-access
+  clock = helpers.Clock()  # pylint: disable=protected-access
   monkeypatch.setattr(metrics, "time", clock)
-  run = loop_test._LoopRun(clock, num_steps=20, log_every=4,  # pylint: disable=protected-access
+  run = helpers.LoopRun(clock, num_steps=20, log_every=4,  # pylint: disable=protected-access
                            ckpt_every=4)
   run.cfg.eval.every_steps, run.eval_batches, evaluated = 4, [], []
   run.evaluate = lambda step, state: evaluated.append(step) or False
@@ -83,9 +82,9 @@ def test_the_loop_saves_the_signalled_step_synchronously_and_stops(
 def test_time_based_checkpoints_fire_at_log_steps(monkeypatch):
   """every_seconds = 5 with 2 s per step, checked at every log step (2):
   saves at steps 4, 8, ... besides every_steps (100) and the last step."""
-  clock = loop_test._Clock()  # pylint: disable=protected-access
+  clock = helpers.Clock()  # pylint: disable=protected-access
   monkeypatch.setattr(metrics, "time", clock)
-  run = loop_test._LoopRun(clock, num_steps=13, log_every=2,  # pylint: disable=protected-access
+  run = helpers.LoopRun(clock, num_steps=13, log_every=2,  # pylint: disable=protected-access
                            ckpt_every=100)
   run.save_clock = preemption.SaveClock(5.0, clock=lambda: clock.now)
   train_loop._train_loop(run, 0)  # pylint: disable=protected-access
@@ -97,7 +96,7 @@ def _wait_for_rows(workdir, proc, n, timeout=240):
   deadline = time.time() + timeout
   while time.time() < deadline and proc.poll() is None:
     try:
-      if len(loop_test.train_rows(workdir)) >= n:
+      if len(helpers.train_rows(workdir)) >= n:
         return
     except (FileNotFoundError, ValueError):
       pass
@@ -117,9 +116,9 @@ def test_sigterm_saves_the_step_and_resumes_bit_for_bit(
                 checkpoint__every_steps=1000)
   workdir = str(tmp_path / "run")
   proc = subprocess.Popen(
-      loop_test.train_command(
-          loop_test.write_config_file(tmp_path, data_dir, **common), workdir),
-      cwd=loop_test.REPO, env=testing.subprocess_env(cache_dir),
+      helpers.train_command(
+          helpers.write_config_file(tmp_path, data_dir, **common), workdir),
+      cwd=testing.REPO, env=testing.subprocess_env(cache_dir),
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   try:
     _wait_for_rows(workdir, proc, 3)
@@ -136,14 +135,14 @@ def test_sigterm_saves_the_step_and_resumes_bit_for_bit(
   manager.close()
   assert 3 <= k < n
   assert f"Preempted: stopped at step {k} and saved its checkpoint" in stderr
-  assert [r["step"] for r in loop_test.train_rows(workdir)][-1] == k
+  assert [r["step"] for r in helpers.train_rows(workdir)][-1] == k
   train_loop.train_and_evaluate(testing.tiny_train_config(data_dir, **common),
                                 workdir)
   straight = str(tmp_path / "straight")
   train_loop.train_and_evaluate(testing.tiny_train_config(data_dir, **common),
                                 straight)
-  want = {r["step"]: r["loss"] for r in loop_test.train_rows(straight)}
-  got = {r["step"]: r["loss"] for r in loop_test.train_rows(workdir)}
+  want = {r["step"]: r["loss"] for r in helpers.train_rows(straight)}
+  got = {r["step"]: r["loss"] for r in helpers.train_rows(workdir)}
   assert sorted(got) == list(range(1, n + 1))
   np.testing.assert_array_equal([got[s] for s in range(1, n + 1)],
                                 [want[s] for s in range(1, n + 1)])

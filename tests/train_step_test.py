@@ -18,11 +18,6 @@ _table_batch = testing.table_batch
 _one_device_sharding = testing.one_device_batch_sharding
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("tfds"))
-
-
 # ---------------------------------------------------------------------------
 # The batch check: token ids within the vocabulary.
 
