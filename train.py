@@ -42,10 +42,11 @@ def main(argv):
   # Before anything can touch a JAX backend (config checks included).
   distributed.initialize(_CONFIG.value.get("mesh"))
   # pylint: disable=g-import-not-at-top
+  from kda_lm import logs
   from kda_lm.checkpoint import manager as manager_lib
   from kda_lm.train import loop as train_loop
   from kda_lm.train import metrics, preemption
-  metrics.quiet_library_logs()
+  logs.quiet_library_logs()
   if logging.get_verbosity() <= logging.INFO:
     sys.stderr = noise = metrics.NoiseFilter(sys.stderr)
   else:

@@ -29,6 +29,7 @@ from typing import Any
 from absl import app, flags, logging
 
 from configs import ling3_tiny
+from kda_lm import logs
 from kda_lm.train import loop as train_loop
 from kda_lm.train import metrics
 
@@ -129,7 +130,7 @@ def _cell(result: dict[str, Any]) -> str:
 
 def main(argv):
   del argv
-  metrics.quiet_library_logs()
+  logs.quiet_library_logs()
   data_dir = os.path.join(_WORKDIR.value, "tfds")
   common = dict(num_steps=_NUM_STEPS.value, eval_every=_EVAL_EVERY.value,
                 target=_TARGET.value,

@@ -6,7 +6,7 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Rank of each room: a module may import its own room and lower ranks.
 RANKS = {
-    "kda_lm.segments": 0,
+    "kda_lm.segments": 0, "kda_lm.logs": 0,
     "kda_lm.ops": 1,
     "kda_lm.parallel": 2,
     "kda_lm.layers": 3,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from data import pipeline
-from kda_lm import testing
+from kda_lm import logs, testing
 from kda_lm.checkpoint import compat, data_item, manifest
 from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import workdir as workdir_lib
@@ -204,7 +204,6 @@ import json
 import logging
 import sys
 
-import helpers
 import jax
 
 from kda_lm.parallel import sharding
@@ -480,7 +479,7 @@ def test_failed_background_save_stops_with_one_line(tmp_path, data_dir,
   """The data item of step 4 fails in Orbax's background thread (a full
   disk): the run stops with a `CheckpointSaveError` naming the step, the
   cause and the free space; Orbax's thread traceback stays out of the log
-  (`metrics.quiet_library_logs`); step 2 restores."""
+  (`logs.quiet_library_logs`); step 2 restores."""
   workdir = str(tmp_path / "run")
   real_save = data_item.DataIteratorHandler.save
 
@@ -491,7 +490,7 @@ def test_failed_background_save_stops_with_one_line(tmp_path, data_dir,
 
   logger = metrics.logging.get_absl_logger()
   before = list(logger.filters)
-  metrics.quiet_library_logs()
+  logs.quiet_library_logs()
   config = tiny_config(data_dir, train__num_steps=6, eval__every_steps=0,
                        checkpoint__every_steps=2)
   try:

@@ -12,6 +12,7 @@ import types
 import numpy as np
 import pytest
 
+from kda_lm import logs
 from kda_lm.train import metrics
 
 
@@ -110,7 +111,7 @@ def _record(level, path):
 @pytest.mark.parametrize("lib", ["orbax", "tensorflow", "tensorflow_datasets",
                                  "jax"])
 def test_library_info_lines_are_dropped(lib):
-  keep = metrics._LibraryInfoFilter().filter
+  keep = logs._LibraryInfoFilter().filter
   path = f"/venv/site-packages/{lib}/module.py"
   assert not keep(_record(logging.INFO, path))
   assert not keep(_record(logging.DEBUG, path))
@@ -126,7 +127,7 @@ def test_orbax_thread_tracebacks_go_to_the_debug_log():
   """A failed background save: Orbax's thread logs an ERROR with its
   traceback; shown only at debug verbosity (as DEBUG), never dropped for
   other libraries or without a traceback."""
-  keep = metrics._LibraryInfoFilter().filter
+  keep = logs._LibraryInfoFilter().filter
   try:
     raise OSError(28, "No space left on device")
   except OSError:
@@ -155,7 +156,7 @@ def test_orbax_thread_tracebacks_go_to_the_debug_log():
 
 
 def test_own_code_logs_at_every_level():
-  keep = metrics._LibraryInfoFilter().filter
+  keep = logs._LibraryInfoFilter().filter
   for level in (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR):
     assert keep(_record(level, "/work/kda_lm/train_loop.py"))
 
@@ -164,11 +165,11 @@ def test_quiet_library_logs_adds_its_filter_once():
   logger = metrics.logging.get_absl_logger()
   before = list(logger.filters)
   try:
-    metrics.quiet_library_logs()
-    metrics.quiet_library_logs()
+    logs.quiet_library_logs()
+    logs.quiet_library_logs()
     added = [f for f in logger.filters if f not in before]
     owned = [f for f in logger.filters
-             if isinstance(f, metrics._LibraryInfoFilter)]
+             if isinstance(f, logs._LibraryInfoFilter)]
     assert len(owned) == 1
     assert added == owned or not added   # Already there before: none added.
     assert not logger.filter(_record(logging.INFO, "/x/jax/y.py"))

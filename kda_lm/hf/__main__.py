@@ -17,6 +17,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import kda_lm  # noqa: F401  # isort: skip  (first: XLA:CPU flags)
+from kda_lm import logs
 from kda_lm.hf import workdir as hf_workdir
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -45,6 +46,7 @@ def main(argv):
   if len(argv) != 2 or argv[1] not in ("import", "export"):
     raise app.UsageError("Usage: python -m kda_lm.hf import|export "
                          "--hf_dir=DIR --workdir=W")
+  logs.quiet_library_logs()
   if not _HF_DIR.value or not _WORKDIR.value:
     raise app.UsageError("--hf_dir and --workdir are required.")
   if argv[1] == "import":

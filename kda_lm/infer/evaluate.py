@@ -33,7 +33,7 @@ import numpy as np
 
 import kda_lm  # noqa: F401  # isort: skip  (first: XLA:CPU flags)
 from data import packing, pipeline
-from kda_lm import losses
+from kda_lm import logs, losses
 from kda_lm import model as model_lib
 from kda_lm.checkpoint import state as state_lib
 
@@ -182,6 +182,7 @@ def format_table(results: dict[str, dict[str, float]]) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}.")
+  logs.quiet_library_logs()
   run = state_lib.load_run(_WORKDIR.value)
   print(f"{run.workdir}, checkpoint of step {run.step}; validation split"
         + (f", first {_NUM_DOCS.value} documents" if _NUM_DOCS.value

@@ -28,6 +28,7 @@ import numpy as np
 
 import kda_lm  # noqa: F401  # isort: skip  (first: XLA:CPU flags)
 from data import tokenizer as tokenizer_lib
+from kda_lm import logs
 from kda_lm.checkpoint import state as state_lib
 from kda_lm.infer import decoding
 
@@ -173,6 +174,7 @@ def copy_accuracy(run: state_lib.Run, num_docs: int, batch_size: int
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}.")
+  logs.quiet_library_logs()
   sampling = _sampling()  # Bad options fail before anything is loaded.
   run = state_lib.load_run(_WORKDIR.value)
   print(f"Loaded {run.workdir} at step {run.step}.", file=sys.stderr)

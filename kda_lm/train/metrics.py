@@ -9,9 +9,8 @@ with a known peak), ...; eval rows: `step`, `eval_loss`,
 event files (tensorboardX) under `<workdir>/tensorboard`. Only process 0
 writes; other processes get a writer that does nothing.
 
-`quiet_library_logs` keeps the run's log readable: it drops the INFO lines
-of Orbax, TF, TFDS and JAX. `NoiseFilter` drops from stderr the tracebacks
-Orbax's abandoned writes print after a failed save.
+`NoiseFilter` drops from stderr the tracebacks Orbax's abandoned writes
+print after a failed save (`kda_lm.logs` quiets the libraries' INFO lines).
 
 `Progress` shows a tqdm bar with the latest loss, accuracy and tokens/s when
 stderr is a terminal, and plain absl log lines otherwise.
@@ -22,7 +21,6 @@ times them (tokens/s without compilation, eval or checkpoint time).
 
 import contextlib
 import json
-import logging as std_logging
 import math
 import os
 import sys
@@ -34,41 +32,6 @@ import jax
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
-
-# Libraries whose INFO logs `quiet_library_logs` drops (warnings stay), and
-# TFDS, whose routine warnings on every load ("Using custom data
-# configuration", deprecations) are dropped too (errors stay).
-_CHATTY_LIBRARIES = ("/orbax/", "/tensorflow/", "/tensorflow_datasets/",
-                     "/jax/")
-_CHATTY_WARNINGS = ("/tensorflow_datasets/",)
-
-
-class _LibraryInfoFilter(std_logging.Filter):
-
-  def filter(self, record: std_logging.LogRecord) -> bool:
-    path = record.pathname
-    if record.exc_info and "/orbax/" in path:
-      # A failed background save's traceback, logged by Orbax's threads:
-      # the run stops with one `CheckpointSaveError` line, and the
-      # traceback is kept for the debug log (--verbosity=1).
-      if not logging.get_absl_logger().isEnabledFor(std_logging.DEBUG):
-        return False
-      record.levelno, record.levelname = std_logging.DEBUG, "DEBUG"
-      return True
-    if record.levelno >= std_logging.ERROR:
-      return True
-    if record.levelno >= std_logging.WARNING:
-      return not any(lib in path for lib in _CHATTY_WARNINGS)
-    return not any(lib in path for lib in _CHATTY_LIBRARIES)
-
-
-def quiet_library_logs() -> None:
-  """Drops INFO logs of Orbax, TF, TFDS and JAX, and TFDS warnings; Orbax's
-  tracebacks go to the debug log."""
-  logger = logging.get_absl_logger()
-  if not any(isinstance(f, _LibraryInfoFilter) for f in logger.filters):
-    logger.addFilter(_LibraryInfoFilter())
-
 
 class NoiseFilter:
   """A stderr wrapper that drops the tracebacks of a failed save's writes.
