@@ -133,3 +133,26 @@ def test_write_config_keeps_a_history(tmp_path):
     history = [json.loads(line) for line in f]
   assert [h["start_step"] for h in history] == [0, 40]
   assert history[1]["changes"] == ["data.seed: 0 -> 3"]
+
+
+def test_keys_added_since_the_checkpoint_are_no_change_at_their_defaults():
+  """A run recorded before a key existed (here the SwiGLU clamps and the
+  kernel settings) resumes when the key is left at its default, and is
+  refused when it is set: the saved state was trained without it."""
+  from kda_lm import config as config_lib  # pylint: disable=g-import-not-at-top
+  defaults = config_lib.default_keys()
+  given = {"model": {"num_experts": 4, "expert_swiglu_limits": [],
+                     "kda_kernel": {"family": "", "heads_per_program": 0}}}
+  saved = {"model": {"num_experts": 4}}
+  assert workdir.config_changes(saved, given, defaults) == ([], [])
+  meaning, _ = workdir.config_changes(saved, given)   # without defaults
+  assert [c.key for c in meaning] == [
+      "model.expert_swiglu_limits", "model.kda_kernel.family",
+      "model.kda_kernel.heads_per_program"]
+  given["model"]["expert_swiglu_limits"] = [4.0, 4.0]
+  meaning, _ = workdir.config_changes(saved, given, defaults)
+  assert [str(c) for c in meaning] == [
+      "model.expert_swiglu_limits: None -> [4.0, 4.0]"]
+  with pytest.raises(workdir.ConfigChangedError, match="swiglu"):
+    workdir.check_resume(saved, given, step=3, allow_change=False,
+                         defaults=defaults)

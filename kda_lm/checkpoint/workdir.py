@@ -175,28 +175,38 @@ class Change:
     return f"{self.key}: {self.saved!r} -> {self.given!r}"
 
 
-def config_changes(saved: Mapping[str, Any], given: Mapping[str, Any]
+def config_changes(saved: Mapping[str, Any], given: Mapping[str, Any],
+                   defaults: Mapping[str, Any] = None
                    ) -> tuple[list[Change], list[Change]]:
   """Splits the differences between two configs by what they change.
 
   Args:
     saved: the config a checkpoint was trained with (nested dicts).
     given: this run's config (nested dicts).
+    defaults: flattened default values of keys (`flatten`, JSON values): a
+      key the saved config lacks (added to kda-lm after the checkpoint was
+      written) is no change when this run leaves it at its default, which
+      is what the checkpoint was trained with.
 
   Returns:
     `(meaning, safe)`: changes of keys that change what the saved state means
     (model shape, data set, data stream), and all other changes.
   """
   old, new = flatten(saved), flatten(given)
+  defaults = defaults or {}
+  added = {k for k in set(new) - set(old)
+           if k in defaults and new[k] == defaults[k]}
   changes = [Change(k, old.get(k), new.get(k))
-             for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+             for k in sorted((set(old) | set(new)) - added)
+             if old.get(k) != new.get(k)]
   meaning = [c for c in changes if _is_meaning_key(c.key)]
   safe = [c for c in changes if not _is_meaning_key(c.key)]
   return meaning, safe
 
 
 def check_resume(saved: Mapping[str, Any], given: Mapping[str, Any], *,
-                 step: int, allow_change: bool) -> list[Change]:
+                 step: int, allow_change: bool,
+                 defaults: Mapping[str, Any] = None) -> list[Change]:
   """Refuses a resume that would silently change the checkpoint's meaning.
 
   Args:
@@ -205,6 +215,7 @@ def check_resume(saved: Mapping[str, Any], given: Mapping[str, Any], *,
     step: the checkpoint's step (for messages).
     allow_change: the user's explicit opt-in
       (`config.train.allow_config_change`).
+    defaults: see `config_changes`.
 
   Returns:
     The meaning-changing keys that were allowed (empty unless
@@ -214,7 +225,7 @@ def check_resume(saved: Mapping[str, Any], given: Mapping[str, Any], *,
     ConfigChangedError: a meaning-changing key differs and `allow_change` is
       off; the message lists every such `key: saved -> given`.
   """
-  meaning, safe = config_changes(saved, given)
+  meaning, safe = config_changes(saved, given, defaults)
   for change in safe:
     logging.info("Config change on resume from step %d: %s", step, change)
   if meaning and not allow_change:
