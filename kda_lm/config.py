@@ -14,7 +14,6 @@ of the defaults, and `__post_init__` raises a `ValueError` naming the field.
 
 import dataclasses
 import functools
-import json
 import typing
 from typing import Any, Optional, TypeVar
 
@@ -580,23 +579,3 @@ SECTIONS = {"model": ModelConfig, "opt": OptConfig, "train": TrainConfig,
             "eval": EvalConfig, "checkpoint": CheckpointConfig,
             "mesh": MeshConfig}
 
-
-def default_keys() -> dict[str, Any]:
-  """Every key of the typed sections at its default, flattened
-  ("model.num_experts") with JSON values, as a run's recorded config holds
-  them (the resume check's `defaults`)."""
-  out = {}
-  for name, cls in SECTIONS.items():
-    values = json.loads(config_dict(cls).to_json_best_effort())
-    out.update(_flatten(values, name + "."))
-  return out
-
-
-def _flatten(values: Any, prefix: str) -> dict[str, Any]:
-  out = {}
-  for key, value in values.items():
-    if isinstance(value, dict):
-      out.update(_flatten(value, f"{prefix}{key}."))
-    else:
-      out[prefix + key] = value
-  return out

@@ -139,8 +139,7 @@ def test_keys_added_since_the_checkpoint_are_no_change_at_their_defaults():
   """A run recorded before a key existed (here the SwiGLU clamps and the
   kernel settings) resumes when the key is left at its default, and is
   refused when it is set: the saved state was trained without it."""
-  from kda_lm import config as config_lib  # pylint: disable=g-import-not-at-top
-  defaults = config_lib.default_keys()
+  defaults = workdir.default_keys()
   given = {"model": {"num_experts": 4, "expert_swiglu_limits": [],
                      "kda_kernel": {"family": "", "heads_per_program": 0}}}
   saved = {"model": {"num_experts": 4}}

@@ -26,6 +26,8 @@ from typing import Any, Iterable, Mapping
 
 from absl import logging
 
+from kda_lm import config as config_lib
+
 LOCK_FILE = "lock"
 CONFIG_FILE = "config.json"
 HISTORY_FILE = "config_history.jsonl"
@@ -154,6 +156,17 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
       out.update(flatten(value, name + "."))
     else:
       out[name] = value
+  return out
+
+
+def default_keys() -> dict[str, Any]:
+  """Every key of the typed config sections at its default, flattened
+  ("model.num_experts"), with JSON values as a run's recorded config holds
+  them: `config_changes`' `defaults`."""
+  out = {}
+  for name, cls in config_lib.SECTIONS.items():
+    out.update(flatten(json.loads(config_lib.config_dict(
+        cls).to_json_best_effort()), name + "."))
   return out
 
 

@@ -193,7 +193,7 @@ def _resume_check(cfg: state_lib.RunConfig, config_json: dict[str, Any],
     changes[:] = workdir_lib.check_resume(
         saved, config_json, step=step,
         allow_change=cfg.train.allow_config_change,
-        defaults=config_lib.default_keys())
+        defaults=workdir_lib.default_keys())
     return not any(c.key.startswith("data.") for c in changes)
 
   return on_config
