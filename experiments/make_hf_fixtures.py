@@ -20,6 +20,11 @@ packed row). It writes, per fixture, into `tests/testdata/hf/<name>/`:
                                    rounding, ~1e-6 relative, stays out of
                                    the reference)
 
+The `export_bytes_*` fixtures are kda-lm's own exports of models a run
+trained here has (byte vocabulary; `experiments/make_export_fixtures.py`
+writes their files first): here transformers only loads them, with its
+warnings shown, and records their logits.
+
 SwiGLU clamps: Ling 3.0's `config.json` carries `expert_swiglu_limit_list`
 and `share_expert_swiglu_limit_list` (per layer, 0 = none), which its
 trained late layers need, but transformers' `bailing_hybrid` (5.24) does
@@ -165,6 +170,10 @@ FIXTURES = {
     "kimi_linear_bias": ("kimi_linear",
                          lambda: kimi_config(attention_bias=True), 3),
     "bailing_hybrid_clamp": ("bailing_hybrid", ling_clamp_config, 4),
+    # kda-lm's own exports (experiments/make_export_fixtures.py writes the
+    # model files; here transformers loads them and records the logits).
+    "export_bytes_bailing_hybrid": ("bailing_hybrid", None, 5),
+    "export_bytes_kimi_linear": ("kimi_linear", None, 6),
 }
 
 
@@ -190,14 +199,18 @@ def make(name, model_type, cfg, seed):
   gen = torch.Generator().manual_seed(seed)
   cls = {"bailing_hybrid": transformers.BailingHybridForCausalLM,
          "kimi_linear": transformers.KimiLinearForCausalLM}[model_type]
-  model = cls(cfg).float().eval()
-  randomize(model, gen)
   out = os.path.join(OUT, name)
-  model.save_pretrained(out)
+  if cfg is None:   # A kda-lm export: loaded as it is, warnings shown.
+    transformers.logging.set_verbosity_warning()
+    cfg = transformers.AutoConfig.from_pretrained(out)
+  else:
+    model = cls(cfg).float().eval()
+    randomize(model, gen)
+    model.save_pretrained(out)
   # The float64 reference (the grouped expert matmul is float32-only).
   model = cls.from_pretrained(out, experts_implementation="eager").double()
   plain = None
-  if getattr(cfg, "expert_swiglu_limit_list", None):
+  if any(getattr(cfg, "expert_swiglu_limit_list", None) or ()):
     plain = cls.from_pretrained(out, experts_implementation="eager").double()
     apply_clamps(model, cfg)
   rng = np.random.default_rng(seed)
@@ -244,8 +257,10 @@ def main():
   write_config_fields()
   for name in names:
     model_type, config, seed = FIXTURES[name]
-    make(name, model_type, config(), seed)
-    os.remove(os.path.join(OUT, name, "generation_config.json"))
+    make(name, model_type, config and config(), seed)
+    generation = os.path.join(OUT, name, "generation_config.json")
+    if os.path.exists(generation):
+      os.remove(generation)
 
 
 if __name__ == "__main__":

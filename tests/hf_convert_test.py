@@ -21,12 +21,16 @@ FIXTURES = os.path.join(testing.REPO, "tests", "testdata", "hf")
 TYPES = ("bailing_hybrid", "kimi_linear")
 # Every fixture's model_type: the two formats, Ling with YaRN rope scaling
 # and attention biases, Kimi with attention biases, Ling with per-layer
-# SwiGLU clamps (which change its logits by 11-27%).
+# SwiGLU clamps (which change its logits by 11-27%), and kda-lm's own
+# exports of byte-vocabulary models as a run trained here has them
+# (loaded by transformers, which recorded their logits).
 FIXTURE_TYPES = {"bailing_hybrid": "bailing_hybrid",
                  "kimi_linear": "kimi_linear",
                  "bailing_hybrid_yarn": "bailing_hybrid",
                  "kimi_linear_bias": "kimi_linear",
-                 "bailing_hybrid_clamp": "bailing_hybrid"}
+                 "bailing_hybrid_clamp": "bailing_hybrid",
+                 "export_bytes_bailing_hybrid": "bailing_hybrid",
+                 "export_bytes_kimi_linear": "kimi_linear"}
 GAP = 3   # Padding tokens between documents in the padded row.
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
