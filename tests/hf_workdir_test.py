@@ -13,9 +13,12 @@ import pytest
 from configs import ling3
 from data import tokenizer as tokenizer_lib
 from kda_lm import hf, testing
+from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import state as state_lib
+from kda_lm.checkpoint import workdir as workdir_lib
 from kda_lm.hf import workdir as hf_workdir
 from kda_lm.infer import decoding, generate
+from kda_lm.parallel import sharding
 from kda_lm.train import loop as train_loop
 
 FIXTURE = os.path.join(testing.REPO, "tests", "testdata", "hf",
@@ -53,6 +56,17 @@ def test_import_train_export_import(tmp_path):
   start = state_lib.load_run(workdir)
   assert start.step == 0
   assert_same_tree(start.params, imported, "step-0 parameters")
+  # The rest of step 0 is a fresh run's (one init: the same rng split).
+  cfg = state_lib.check_config(start.config)
+  manager = manager_lib.CheckpointManager(workdir_lib.checkpoint_dir(workdir))
+  state = manager.restore(state_lib.abstract_state(
+      cfg, sharding.make_mesh(cfg.mesh)))
+  manager.close()
+  fresh = state_lib.run_init_fn(cfg)(jax.random.PRNGKey(cfg.train.seed))
+  np.testing.assert_array_equal(state.rng, fresh.rng)
+  assert_same_tree(state.opt_state, jax.jit(state_lib.run_init_fn(cfg))(
+      jax.random.PRNGKey(cfg.train.seed), imported).opt_state,
+                   "step-0 optimizer state")
   # Fine-tuning resumes the imported run (configs/ling3.py:imported=W).
   state = train_loop.train_and_evaluate(
       ling3.get_config(f"imported={workdir}"), workdir)

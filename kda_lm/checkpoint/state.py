@@ -84,26 +84,34 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
 
 
 def make_init_fn(model: hk.Transformed, tx: optax.GradientTransformation,
-                 seq_len: int) -> Callable[[jax.Array], TrainState]:
-  """Returns `init(rng) -> TrainState`: fresh parameters and optimizer state
-  (traced on a `[1, seq_len]` row of token 0, one document)."""
+                 seq_len: int) -> Callable[..., TrainState]:
+  """Returns `init(rng, params=None) -> TrainState` at step 0: fresh
+  parameters (traced on a `[1, seq_len]` row of token 0, one document) or
+  the given ones (an imported checkpoint's), a fresh optimizer state, and
+  the state's rng, split from `rng` the same way in both cases."""
 
-  def init(rng):
+  def init(rng, params=None):
     params_rng, state_rng = jax.random.split(rng)
-    tokens = jnp.zeros((1, seq_len), jnp.int32)
-    params = model.init(params_rng, tokens, jnp.ones_like(tokens))
+    if params is None:
+      tokens = jnp.zeros((1, seq_len), jnp.int32)
+      params = model.init(params_rng, tokens, jnp.ones_like(tokens))
     return TrainState(params, tx.init(params), state_rng,
                       jnp.zeros((), jnp.int32))
 
   return init
 
 
+def run_init_fn(cfg: RunConfig) -> Callable[..., TrainState]:
+  """`make_init_fn` of a run's model and optimizer (start it from
+  `jax.random.PRNGKey(cfg.train.seed)`)."""
+  tx, _ = optimizer.make_optimizer(cfg.opt, cfg.train.num_steps)
+  return make_init_fn(model_lib.build(cfg.model), tx, cfg.data.seq_len)
+
+
 def abstract_state(cfg: RunConfig, mesh: jax.sharding.Mesh) -> TrainState:
   """The TrainState's shapes, with the shardings training gives them."""
-  model = model_lib.build(cfg.model)
-  tx, _ = optimizer.make_optimizer(cfg.opt, cfg.train.num_steps)
-  init = make_init_fn(model, tx, cfg.data.seq_len)
-  abstract = jax.eval_shape(init, jax.random.PRNGKey(cfg.train.seed))
+  abstract = jax.eval_shape(run_init_fn(cfg),
+                            jax.random.PRNGKey(cfg.train.seed))
   return sharding.with_shardings(abstract, state_shardings(abstract, mesh))
 
 

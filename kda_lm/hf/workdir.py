@@ -28,7 +28,6 @@ import ml_collections
 
 from data import pipeline
 from kda_lm import model as model_lib
-from kda_lm import optimizer
 from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import state as state_lib
 from kda_lm.checkpoint import workdir as workdir_lib
@@ -42,15 +41,12 @@ SOURCE_CONFIG = "hf_source_config.json"
 
 
 def _initial_state(run, params, mesh) -> state_lib.TrainState:
-  """Step 0: the imported parameters, a fresh optimizer state, the rng a
-  fresh run would have (`state.make_init_fn`)."""
+  """Step 0 as a fresh run starts it (`state.make_init_fn`), with the
+  imported parameters."""
   abstract = state_lib.abstract_state(run, mesh)
-  tx, _ = optimizer.make_optimizer(run.opt, run.train.num_steps)
-  _, state_rng = jax.random.split(jax.random.PRNGKey(run.train.seed))
-  opt_state = jax.jit(tx.init, out_shardings=jax.tree.map(
-      lambda a: a.sharding, abstract.opt_state))(params)
-  return state_lib.TrainState(params, opt_state, state_rng,
-                              jax.numpy.zeros((), jax.numpy.int32))
+  return jax.jit(state_lib.run_init_fn(run), out_shardings=jax.tree.map(
+      lambda a: a.sharding, abstract))(
+          jax.random.PRNGKey(run.train.seed), params)
 
 
 def import_checkpoint(hf_dir: str, workdir: str,
