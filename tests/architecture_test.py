@@ -30,23 +30,31 @@ def room(module: str) -> str | None:
   return None
 
 
+def _import_statements(path: str):
+  """(module, imported name or None, relative level) of each import."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read())
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      yield from ((alias.name, None, 0) for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      yield from ((node.module, alias.name, node.level)
+                  for alias in node.names)
+
+
 def imports(path: str) -> list[str]:
   """Dotted modules a file imports (`from a import b` gives `a.b` when b
   is a module of the package, else `a`)."""
-  with open(path, encoding="utf-8") as f:
-    tree = ast.parse(f.read())
   found = []
-  for node in ast.walk(tree):
-    if isinstance(node, ast.Import):
-      found += [alias.name for alias in node.names]
-    elif isinstance(node, ast.ImportFrom) and node.module and not (
-        node.level):
-      for alias in node.names:
-        dotted = f"{node.module}.{alias.name}"
-        is_module = os.path.exists(
-            os.path.join(ROOT, *dotted.split(".")) + ".py") or os.path.isdir(
-                os.path.join(ROOT, *dotted.split(".")))
-        found.append(dotted if is_module else node.module)
+  for module, name, level in _import_statements(path):
+    if name is None or level:
+      found += [] if level else [module]
+      continue
+    dotted = f"{module}.{name}"
+    is_module = os.path.exists(
+        os.path.join(ROOT, *dotted.split(".")) + ".py") or os.path.isdir(
+            os.path.join(ROOT, *dotted.split(".")))
+    found.append(dotted if is_module else module)
   return [m for m in found if m.split(".")[0] in ("kda_lm", "data")]
 
 
@@ -157,15 +165,8 @@ def test_the_library_reads_no_environment_variable():
 
 def imported_test_modules(path: str) -> list[str]:
   """The test modules (`*_test`) a file under tests/ imports."""
-  with open(path, encoding="utf-8") as f:
-    tree = ast.parse(f.read())
-  names = []
-  for node in ast.walk(tree):
-    if isinstance(node, ast.Import):
-      names += [alias.name for alias in node.names]
-    elif isinstance(node, ast.ImportFrom) and node.module:
-      names.append(node.module)
-  return [n for n in names if n.split(".")[0].endswith("_test")]
+  return [module for module, _, _ in _import_statements(path)
+          if module.split(".")[0].endswith("_test")]
 
 
 def test_no_test_module_imports_another(tmp_path):
