@@ -4,20 +4,24 @@ Designed for a TPU core rather than shared with Triton. Each program takes
 `heads_per_program` heads of one row and walks the row's chunks in order
 (the chunk axis of the grid is "arbitrary"; batch and head groups are
 "parallel"), with the float32 [K,V] states of its heads in VMEM scratch.
-A step runs the whole chunk for each of its heads (`tpu_chunk`): the gate
-cumsum, the decayed products, the triangular inverse, w and u, the output
-and the state update. The heads are unrolled, so the scheduler overlaps one
-head's matmuls with another's.
+A step runs the whole chunk for each of its heads (`tpu_chunk`): the
+preparation of the raw inputs (q/k norm, query scale, bounded gate, zeroed
+padding), the gate cumsum, the decayed products, the triangular inverse,
+w and u, the output and the state update. The heads are unrolled, so the
+scheduler overlaps one head's matmuls with another's.
 
-Layout: q, k, v, g stay token-major, [B, T, H*K] (a free reshape of
-[B,T,H,K]); a head is a 128-aligned lane slice of a block, so nothing is
-transposed. beta and the segment rows ride in [.., 8 or heads, C] blocks.
+Layout: q, k, v, g are read token-major, [B, T, H*K], in the caller's
+dtype; a head is a 128-aligned lane slice of a block, so nothing is
+transposed. (The KDA layer's projections produce that layout; its
+[B,T,H,K] view and the reshape back cancel.) beta, the segment rows and
+the gate parameters ride in small [.., 8 or heads, ..] blocks.
 
 The forward saves, per chunk and head, the state entering the chunk and the
-inverse P (float32); the backward walks the chunks in reverse with the
-state cotangent in scratch, recomputes the rest of the chunk and writes
-every gradient of the chunk. Needs gates bounded below by -5 (the bounded
-gate form, `lower_bound`): the diagonal sub-blocks factorise their decays
+inverse P (at their dots' precision); the backward walks the chunks in
+reverse with the state cotangent in scratch, recomputes the rest of the
+chunk and writes every gradient of the chunk, the gate parameters' as
+per-chunk sums. Needs gates bounded below by -5 (the bounded gate form,
+`lower_bound`): the diagonal sub-blocks factorise their decays
 (`tpu_chunk`). On TPU, K and V are padded to multiples of 128.
 """
 
