@@ -3,7 +3,9 @@
 The "tpu" family (`tpu`: the pallas_calls and their `jax.custom_vjp`;
 `tpu_chunk`: the per-chunk math on 2-D values) is written for a TPU core:
 one forward and one backward kernel, several heads per program, the
-bounded gate only. `calls.kda_pallas` sends every other case to the
+bounded gate only, and the raw inputs prepared in the kernels
+(`calls.kda_tpu`; `chunk_kda` takes it when `calls.uses_tpu_family`).
+`calls.kda_pallas` runs every other case on canonical inputs with the
 "generic" family, described below: one source for TPU (Mosaic) and GPU
 (Triton).
 
