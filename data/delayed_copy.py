@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
-from data import builders
+from data import builders, corpus
 
 SPLITS = ("train", "validation")
 # Configs by name: TFDS accepts a config named like a registered one only if
@@ -35,7 +35,7 @@ _CONFIGS = {}
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings:
+class Settings(corpus.CorpusSettings):
   """The `config.data` fields of the delayed_copy dataset, validated.
 
   The one home of the dataset's defaults; `builder_config` turns them into

@@ -244,8 +244,8 @@ def resolve_config(config: ml_collections.ConfigDict, workdir: str,
       from the one given.
   """
   cfg = DataConfig.from_config(config.data)
-  hf = bool(getattr(cfg.dataset, "hf_path", ""))
-  if not (hf or getattr(cfg.dataset, "is_bpe", False)):
+  hf = bool(cfg.dataset.hf_path)
+  if not (hf or cfg.dataset.is_bpe):
     return config
   config = ml_collections.ConfigDict(config.to_dict())
   if hf:
@@ -270,11 +270,11 @@ def token_bytes(config: Any, data_dir: str) -> np.ndarray:
     As `text_files.Settings.resolve`.
   """
   cfg = DataConfig.from_config(config).resolve(data_dir)
-  if getattr(cfg.dataset, "hf_path", ""):
+  if cfg.dataset.hf_path:
     return tokenizer_lib.token_byte_lengths(
         tokenizer_lib.load_hf(cfg.dataset.hf_path))
   lengths = np.ones(cfg.vocab_size(), np.float32)
-  if getattr(cfg.dataset, "is_bpe", False):
+  if cfg.dataset.is_bpe:
     pieces = tokenizer_lib.token_bytes(
         tokenizer_lib.load(cfg.dataset.tokenizer_path))
     lengths[:] = 0
@@ -347,7 +347,7 @@ def load_documents(config: Any, split: str, *, data_dir: str,
       # No in-memory cache: it would be written into iterator checkpoints.
       read_config=tfds.ReadConfig(try_autocache=False),
   )
-  if getattr(cfg.dataset, "hf_path", ""):   # text_files, "hf:PATH".
+  if cfg.dataset.hf_path:   # text_files, "hf:PATH".
     return records.tokenize_files(documents, cfg.dataset.tokenizer), info
   features = cfg.dataset.FEATURES
   return documents.map(lambda d: {k: d[k] for k in features}), info
@@ -356,7 +356,7 @@ def load_documents(config: Any, split: str, *, data_dir: str,
 def _options(cfg: DataConfig) -> tf.data.Options:
   options = tf.data.Options()
   options.deterministic = True
-  if getattr(cfg.dataset, "tokenizes_in_pipeline", False):
+  if cfg.dataset.tokenizes_in_pipeline:
     options.experimental_external_state_policy = records.EXTERNAL_STATE
   return options
 
@@ -532,8 +532,7 @@ def make_train_iterator(config: Any, *, seed: int | None = None,
   return DataIterator(
       dataset, vocab_size=cfg.vocab_size(), process_index=s.process_index,
       process_count=s.process_count,
-      skipped=s.skipped if getattr(cfg.dataset, "skip_bad_records",
-                                   False) else None)
+      skipped=s.skipped if cfg.dataset.skip_bad_records else None)
 
 
 def _pad_batch(batch: dict[str, tf.Tensor], size: int

@@ -47,7 +47,7 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
-from data import text_files
+from data import corpus, text_files
 from data import tokenizer as tokenizer_lib
 
 ENCODE_BATCH = 64        # Records tokenized per call of the Python function.
@@ -178,7 +178,7 @@ class DocumentsInfo:
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings:
+class Settings(corpus.CorpusSettings):
   """The `config.data` fields every record source has (the one home of
   their defaults); a source subclasses it with its own."""
   # "bytes" (UTF-8 bytes, 256 ids) or "hf:PATH" (a released model's

@@ -50,7 +50,7 @@ from absl import logging
 import numpy as np
 import tensorflow_datasets as tfds
 
-from data import builders
+from data import builders, corpus
 from data import tokenizer as tokenizer_lib
 
 SPLITS = ("train", "validation")
@@ -187,7 +187,7 @@ def check_hf(path: str, sha256: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings:
+class Settings(corpus.CorpusSettings):
   """The `config.data` fields of the text_files dataset, validated (the one
   home of its defaults)."""
   glob: str = ""                  # Files ("" = the stdlib's .py files).

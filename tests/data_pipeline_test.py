@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from data import delayed_copy, packing, pipeline, text_files
+from data import corpus, delayed_copy, packing, pipeline, text_files
 from data import tokenizer as tokenizer_lib
 from kda_lm import testing
 from kda_lm.checkpoint import workdir as workdir_lib
@@ -325,3 +325,14 @@ def test_text_files_with_a_released_tokenizer(tmp_path):
   assert resolved.data.tokenizer_sha256 == tokenizer_lib.sha256(path)
   lengths = pipeline.token_bytes(config, data_dir)
   assert lengths[0] == 0 and lengths.sum() > 256
+
+
+def test_every_dataset_has_the_corpus_interface():
+  """The pipeline reads `hf_path`, `is_bpe`, `tokenizes_in_pipeline` and
+  `skip_bad_records` of any dataset's settings, unprobed: each dataset's
+  Settings derives from `corpus.CorpusSettings`."""
+  for name, settings in pipeline.DATASETS.items():
+    assert issubclass(settings, corpus.CorpusSettings), name
+  plain = delayed_copy.Settings()
+  assert (plain.hf_path, plain.is_bpe, plain.tokenizes_in_pipeline,
+          plain.skip_bad_records) == ("", False, False, False)

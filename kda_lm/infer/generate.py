@@ -51,7 +51,7 @@ def text_codec(run: state_lib.Run) -> Optional[tokenizer_lib.TextCodec]:
       pipeline.resolve_data_dir(run.config.data, run.workdir))
   return tokenizer_lib.TextCodec(
       data.dataset.tokenizer_path if data.dataset.is_bpe else "",
-      hf_tokenizer_path=getattr(data.dataset, "hf_path", ""))
+      hf_tokenizer_path=data.dataset.hf_path)
 
 
 def parse_prompt(prompt: str, codec: Optional[tokenizer_lib.TextCodec]
