@@ -334,13 +334,17 @@ def kda_pallas(q, k, v, g, beta, masks, h0, scale, *, options=None):
   Returns:
     o [B,T,H,V] float32 (zero at padding) and the final state [B,H,K,V].
   """
-  K, V = q.shape[-1], v.shape[-1]
+  options = _checked(q.shape[-1], v.shape[-1], options)
+  return _generic(q, k, v, g, beta, masks, h0, scale, options.generic())
+
+
+def _checked(K, V, options):
+  """The options to run with (None: the platform's); raises
+  NotImplementedError for shapes the kernels do not support."""
   reason = unsupported_reason(K, V, hp.CHUNK)
   if reason:
     raise NotImplementedError(reason)
-  if options is None:
-    options = options_lib.default_options()
-  return _generic(q, k, v, g, beta, masks, h0, scale, options.generic())
+  return options_lib.default_options() if options is None else options
 
 
 def uses_tpu_family(options, lower_bound):
@@ -359,11 +363,7 @@ def kda_tpu(q, k, v, g, beta, masks, h0, A_log, dt_bias, *, scale,
   Returns:
     o [B,T,H,V] in q's dtype (zero at padding), final state [B,H,K,V].
   """
-  reason = unsupported_reason(q.shape[-1], v.shape[-1], hp.CHUNK)
-  if reason:
-    raise NotImplementedError(reason)
-  if options is None:
-    options = options_lib.default_options()
+  options = _checked(q.shape[-1], v.shape[-1], options)
   cfg = tpu.Config(
       prep=tpu_chunk.Prep(scale=float(scale), lower_bound=float(lower_bound),
                            l2norm=bool(l2norm)),
