@@ -37,7 +37,7 @@ import numpy as np
 import optax
 
 from configs import ling3
-from experiments import compile_mesh, timing
+from experiments import compile_mesh, profile_summary, timing
 from kda_lm import config as config_lib
 from kda_lm import flops, losses, optimizer
 from kda_lm import model as model_lib
@@ -57,6 +57,8 @@ _KDA = flags.DEFINE_string("kda_impl", "auto", "model.kda_impl.")
 _MOE = flags.DEFINE_string("moe_impl", "auto", "model.moe_impl.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed steps (median).")
 _PARTS = flags.DEFINE_bool("parts", False, "Also time each part alone.")
+_PROFILE = flags.DEFINE_bool(
+    "profile", False, "Also profile the step: device time per model part.")
 _JSON = flags.DEFINE_string("json", None, "Also write the results here.")
 
 
@@ -113,9 +115,13 @@ def whole_step(m, B, T):
     jax.block_until_ready(state)
     times.append(time.perf_counter() - t)
   mem = jax.devices()[0].memory_stats() or {}
-  return dict(step_s=statistics.median(times), compile_s=compile_s,
-              peak_bytes=mem.get("peak_bytes_in_use"),
-              params=state.params, tx=tx)
+  out = dict(step_s=statistics.median(times), compile_s=compile_s,
+             peak_bytes=mem.get("peak_bytes_in_use"), tx=tx)
+  if _PROFILE.value:
+    out["profile"], (state, _) = profile_summary.profile(
+        compiled, (state, batch), rerun=lambda o, a: (o[0], a[1]))
+  out["params"] = state.params
+  return out
 
 
 def _grad_time(fn, params, *inputs):
@@ -203,6 +209,11 @@ def main(argv):
   for k, v in rows:
     print(f"| {k} | {v} |")
   result = dict(rows)
+  if _PROFILE.value:
+    print("\n" + profile_summary.table(r["profile"], r["step_s"]))
+    result["profile_ms"] = {p: 1e3 * s for p, s, _ in r["profile"]}
+    result["profile_top"] = {p: [(o, ns / 3e6) for o, ns in top]
+                             for p, _, top in r["profile"]}
   if _PARTS.value:
     parts = part_times(m, B, T, r["params"], r["tx"])
     total = sum(parts.values())

@@ -85,8 +85,9 @@ def loss_terms(logits: jax.Array, batch: Batch,
   Raises:
     ValueError: `chunks` does not divide T.
   """
-  mask = batch["loss_mask"].astype(jnp.float32)
-  sums = _sums(logits, batch["targets"], mask, head_DW, chunks)
+  with jax.named_scope("loss"):    # Names the ops in profiles.
+    mask = batch["loss_mask"].astype(jnp.float32)
+    sums = _sums(logits, batch["targets"], mask, head_DW, chunks)
   return sums[0], sums[1], mask.sum()
 
 

@@ -433,16 +433,18 @@ class MoE(hk.Module):
         "router", [D, E], jnp.float32,
         init=hk.initializers.TruncatedNormal(D ** -0.5))
     bias = hk.get_parameter(BIAS_NAME, [E], jnp.float32, init=jnp.zeros)
-    scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), w_router))
-    idx, w = route(scores, bias, self.top_k, **self.routing)
+    with jax.named_scope("router"):    # Names the ops in profiles.
+      scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), w_router))
+      idx, w = route(scores, bias, self.top_k, **self.routing)
     init_in = hk.initializers.TruncatedNormal(D ** -0.5)
     init_out = hk.initializers.TruncatedNormal(F ** -0.5)
     pdt = self.param_dtype
     w_gate = hk.get_parameter("gate_proj", [E, D, F], pdt, init=init_in)
     w_up = hk.get_parameter("up_proj", [E, D, F], pdt, init=init_in)
     w_down = hk.get_parameter("down_proj", [E, F, D], pdt, init=init_out)
-    y = _dispatch(x, idx, w, (w_gate, w_up, w_down), self.impl,
-                  self.capacity_factor, self.limits[0])
+    with jax.named_scope("routed"):
+      y = _dispatch(x, idx, w, (w_gate, w_up, w_down), self.impl,
+                    self.capacity_factor, self.limits[0])
     if self.num_shared:
       y = y + mlp.SwiGLU(self.num_shared * F, limit=self.limits[1],
                          param_dtype=pdt, name="shared_experts")(x)

@@ -148,8 +148,9 @@ def make_update_fn(model: hk.Transformed, tx: optax.GradientTransformation,
     grads, extra = _grads_and_extra(loss_fn, state.params, batch,
                                     grad_accum_steps,
                                     _denominators(batch, cfg))
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    with jax.named_scope("optimizer"):    # Names the ops in profiles.
+      updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
     if bias_slots:
       params = moe.update_selection_biases(
           params, state.params, extra["expert_load"], bias_slots,
