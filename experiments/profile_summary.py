@@ -43,6 +43,8 @@ PARTS = (
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[^=]*?\s([a-z][a-z0-9\-]*)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+# TPU events are named by the instruction's whole HLO line.
+_EVENT = re.compile(r"^%?([\w.\-]+)(?:\s*=|$)")
 
 
 def hlo_instructions(hlo_text):
@@ -83,10 +85,10 @@ def device_op_ns(xspace_path):
       if device and line.name != "XLA Ops":
         continue
       for ev in line.events:
-        stats = dict(ev.stats)
-        name = ev.name if device else stats.get("hlo_op")
-        if name:
-          totals[name] += ev.duration_ns
+        name = ev.name if device else dict(ev.stats).get("hlo_op")
+        m = _EVENT.match(name or "")
+        if m:
+          totals[m.group(1)] += ev.duration_ns
   return totals
 
 

@@ -4,12 +4,17 @@ training and `kda_lm.infer.evaluate` share.
 
 Each takes either logits or, with the LM head's weight, the final hidden
 states: then the head and the cross-entropy run over `chunks` strided
-pieces of the rows, each piece's logits recomputed in the backward pass,
-so that no [B,T,W] float32 logits are held (`config.train.loss_chunks`).
+pieces of the rows, so that no [B,T,W] float32 logits are held
+(`config.train.loss_chunks`). There the gradient wrt the hidden states and
+the head is made in the same pass as the loss, from each piece's logits
+while they exist: three matmuls per piece instead of four (the forward,
+then a recomputing backward), the logits' gradient in the hidden states'
+dtype (bfloat16 in training) with float32 accumulation.
 
 Shapes as docs/glossary.md (B rows, T tokens, D width, W vocabulary).
 """
 
+import functools
 from typing import Any, Callable, Mapping, Optional
 
 import jax
@@ -36,24 +41,86 @@ def _pieces(x, chunks):
   return jnp.moveaxis(x.reshape(B, T // chunks, chunks, *x.shape[2:]), 2, 0)
 
 
-def _chunked_sums(y_BTD, head_DW, targets, mask, chunks):
-  """`_ce_and_correct` of `y @ head` one piece (`_pieces`) at a time."""
-  T = y_BTD.shape[1]
+def _unpieces(x):
+  """The inverse of `_pieces`: [chunks, B,T/chunks,...] -> [B,T,...]."""
+  c, B, Tc = x.shape[:3]
+  return jnp.moveaxis(x, 0, 2).reshape(B, Tc * c, *x.shape[3:])
+
+
+def _piece_sums(y, w_DW, t, m):
+  """[loss sum, correct sum] of one piece's logits `y @ w`, and their
+  softmax (float32)."""
+  logits = jnp.dot(y, w_DW, preferred_element_type=jnp.float32)
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  e = jnp.exp(logits - top)
+  s = jnp.sum(e, axis=-1, keepdims=True)
+  picked = jnp.take_along_axis(logits, t[..., None], axis=-1)
+  ce = (top + jnp.log(s) - picked)[..., 0]
+  correct = (jnp.argmax(logits, axis=-1) == t).astype(jnp.float32)
+  return jnp.stack([(ce * m).sum(), (correct * m).sum()]), e / s
+
+
+def _piece_grads(y, w_DW, t, m):
+  """`_piece_sums` and the loss sum's gradients wrt y and w (float32)."""
+  sums, p = _piece_sums(y, w_DW, t, m)
+  d = (p - jax.nn.one_hot(t, p.shape[-1], dtype=p.dtype)) * m[..., None]
+  d = d.astype(y.dtype)
+  dy = jnp.dot(d, w_DW.T, preferred_element_type=jnp.float32)
+  dw = jnp.einsum("...d,...w->dw", y, d, preferred_element_type=jnp.float32)
+  return sums, dy.astype(y.dtype), dw
+
+
+def _check_chunks(T, chunks):
   if not isinstance(chunks, int) or chunks < 1 or T % chunks:
     raise ValueError(f"config.train.loss_chunks must be an int >= 1 that "
                      f"divides the row length {T}, got {chunks!r}.")
-  w_DW = head_DW.astype(y_BTD.dtype)
 
-  @jax.checkpoint
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _head_sums(y_BTD, w_DW, targets, mask, chunks):
+  """[loss sum, correct sum] of `y @ w` one piece (`_pieces`) at a time.
+
+  Its gradient is computed in the same pass as the loss (`_head_sums_fwd`):
+  each piece's logits are made once and never stored, and the backward
+  pass only scales the gradients by the loss's cotangent.
+  """
   def piece(total, xs):
-    y, t, m = xs
-    logits = jnp.dot(y, w_DW, preferred_element_type=jnp.float32)
-    return total + _ce_and_correct(logits, t, m), None
+    return total + _piece_sums(xs[0], w_DW, xs[1], xs[2])[0], None
 
   sums, _ = jax.lax.scan(piece, jnp.zeros(2, jnp.float32),
                          (_pieces(y_BTD, chunks), _pieces(targets, chunks),
                           _pieces(mask, chunks)))
   return sums
+
+
+def _head_sums_fwd(y_BTD, w_DW, targets, mask, chunks):
+  def piece(carry, xs):
+    total, dw = carry
+    sums, dy, dw_piece = _piece_grads(xs[0], w_DW, xs[1], xs[2])
+    return (total + sums, dw + dw_piece), dy
+
+  init = (jnp.zeros(2, jnp.float32), jnp.zeros(w_DW.shape, jnp.float32))
+  (sums, dw), dy = jax.lax.scan(
+      piece, init, (_pieces(y_BTD, chunks), _pieces(targets, chunks),
+                    _pieces(mask, chunks)))
+  return sums, (_unpieces(dy), dw)
+
+
+def _head_sums_bwd(chunks, residuals, g):
+  del chunks
+  dy, dw = residuals    # The head has the hidden states' dtype.
+  return ((g[0] * dy).astype(dy.dtype), (g[0] * dw).astype(dy.dtype),
+          None, None)
+
+
+_head_sums.defvjp(_head_sums_fwd, _head_sums_bwd)
+
+
+def _chunked_sums(y_BTD, head_DW, targets, mask, chunks):
+  """`_head_sums` with the head in the hidden states' dtype."""
+  _check_chunks(y_BTD.shape[1], chunks)
+  return _head_sums(y_BTD, head_DW.astype(y_BTD.dtype), targets, mask,
+                    chunks)
 
 
 def _sums(out, targets, mask, head_DW, chunks):

@@ -259,3 +259,17 @@ class LoopRun:
 
   def finish(self, state):
     del state
+
+
+def jaxpr_eqns(jaxpr):
+  """Every equation of a jaxpr and its sub-jaxprs, kernel bodies excluded."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    if eqn.primitive.name == "pallas_call":
+      continue
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          yield from jaxpr_eqns(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          yield from jaxpr_eqns(sub)

@@ -460,3 +460,17 @@ def test_clamped_experts_on_one_device_and_over_shards():
   assert testing.rel_err(split.reshape(-1, D), want) < 1e-6
   plain = moe.dispatch_swiglu(x, idx, w, *weights, impl="ragged_dot")
   assert testing.rel_err(plain, want) > 0.05
+
+
+def test_dispatch_gradient_gathers_rather_than_scatters():
+  """The rows' sort and unsort are permutations: their gradients gather by
+  the inverse permutation (fast everywhere) where autodiff would
+  scatter-add the [pairs, D] and [tokens, D] cotangent rows (slow on
+  TPUs)."""
+  layer, params, x = _setup()
+  grad = jax.grad(lambda p, x: layer.apply(p, x)[0].sum(), argnums=(0, 1))
+  eqns = helpers.jaxpr_eqns(jax.make_jaxpr(grad)(params, x).jaxpr)
+  rows = {(x.shape[0] * x.shape[1], D), (x.shape[0] * x.shape[1] * K, D)}
+  scatters = [e.invars[0].aval.shape for e in eqns
+              if e.primitive.name.startswith("scatter")]
+  assert scatters and not rows & set(scatters), scatters

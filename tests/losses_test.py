@@ -72,3 +72,31 @@ def test_loss_piece_j_holds_tokens_j_mod_c():
   assert pieces.shape == (c, B, T // c, 2)
   for j in range(c):
     np.testing.assert_array_equal(pieces[j], x[:, j::c])
+
+
+def test_chunked_head_makes_its_gradient_with_the_loss():
+  """Three matmuls per piece (logits, then the two gradients while the
+  logits exist), none in the backward pass; the gradient scales with the
+  loss's cotangent; in bfloat16 it stays within bfloat16's rounding of the
+  float32 gradient."""
+  rng = np.random.default_rng(3)
+  y = jnp.asarray(rng.normal(size=(2, 16, 8)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(8, 64)), jnp.float32)
+  batch = {"targets": jnp.asarray(rng.integers(0, 64, (2, 16)), jnp.int32),
+           "loss_mask": jnp.asarray(rng.random((2, 16)) > 0.2, jnp.float32)}
+  loss = lambda a, b, s=1.0: s * losses.loss_terms(a, batch, b, 4)[0]
+  grad = jax.grad(loss, argnums=(0, 1))
+  dots = [e for e in helpers.jaxpr_eqns(jax.make_jaxpr(grad)(y, w).jaxpr)
+          if e.primitive.name == "dot_general"]
+  assert len(dots) == 3
+  g1 = grad(y, w)
+  g3 = jax.grad(loss, argnums=(0, 1))(y, w, -3.0)
+  for a, b in zip(g1, g3, strict=True):
+    np.testing.assert_allclose(b, -3.0 * a, rtol=1e-6)
+  bf = lambda x: x.astype(jnp.bfloat16)
+  got = jax.grad(loss, argnums=(0, 1))(bf(y), bf(w))
+  want = jax.grad(loss, argnums=(0, 1))(
+      bf(y).astype(jnp.float32), bf(w).astype(jnp.float32))
+  for g, h in zip(got, want, strict=True):
+    assert g.dtype == jnp.bfloat16
+    assert testing.rel_err(g.astype(jnp.float32), h) < 1e-2

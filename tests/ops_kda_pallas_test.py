@@ -25,6 +25,7 @@ import functools
 import logging
 import re
 
+import helpers
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -524,7 +525,7 @@ def test_tpu_family_prepares_the_raw_inputs_in_its_kernels():
     return jnp.sum(o.astype(jnp.float32))
 
   for fn in (fwd, jax.grad(fwd)):
-    eqns = list(_eqns(jax.make_jaxpr(fn)(p).jaxpr))
+    eqns = list(helpers.jaxpr_eqns(jax.make_jaxpr(fn)(p).jaxpr))
     outside = [e.primitive.name for e in eqns
                if e.primitive.name in ("rsqrt", "logistic", "exp")
                and max(v.aval.size for v in e.invars) > 1024]
@@ -570,22 +571,8 @@ def test_tpu_family_changing_one_document_leaves_others_bit_identical():
     np.testing.assert_array_equal(a[2][n][~doc], b[2][n][~doc])
 
 
-def _eqns(jaxpr):
-  """Every equation of a jaxpr and its sub-jaxprs, kernel bodies excluded."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    if eqn.primitive.name == "pallas_call":
-      continue
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (list, tuple)) else [value]:
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          yield from _eqns(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          yield from _eqns(sub)
-
-
 def _kernel_names(fn, *args):
-  return [eqn.params["name"] for eqn in _eqns(jax.make_jaxpr(fn)(*args).jaxpr)
+  return [eqn.params["name"] for eqn in helpers.jaxpr_eqns(jax.make_jaxpr(fn)(*args).jaxpr)
           if eqn.primitive.name == "pallas_call"]
 
 

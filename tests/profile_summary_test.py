@@ -48,3 +48,10 @@ def test_profile_attributes_device_time_to_named_scopes():
     for op, _ in top:
       assert "(while)" not in op and "(call)" not in op
   assert "| head and loss |" in profile_summary.table(rows, 1.0)
+
+
+def test_event_names_are_instruction_names_or_whole_hlo_lines():
+  pattern = profile_summary._EVENT
+  assert pattern.match("fusion.3").group(1) == "fusion.3"
+  assert pattern.match("%while.328 = (s32[]{:T(128)}) while(%t), "
+                       "condition=%c").group(1) == "while.328"
