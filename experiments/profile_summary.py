@@ -41,7 +41,7 @@ PARTS = (
 )
 
 _INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[^=]*?\s([a-z][a-z0-9\-]*)\(")
+    r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 # TPU events are named by the instruction's whole HLO line.
 _EVENT = re.compile(r"^%?([\w.\-]+)(?:\s*=|$)")

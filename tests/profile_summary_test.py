@@ -23,8 +23,8 @@ def test_part_of_reads_scopes_inside_transformations():
 def test_hlo_instructions_reads_opcodes_and_op_names():
   text = ('  %fusion.3 = f32[4]{0} fusion(f32[4]{0} %p), kind=kLoop, '
           'calls=%fused, metadata={op_name="jit(f)/jvp(loss)/exp"}\n'
-          '  ROOT %while.2 = (s32[]) while((s32[]) %t), condition=%c, '
-          'body=%b\n')
+          '  ROOT %while.2 = (s32[]{:T(128)}, /*index=1*/f32[2]{0}) '
+          'while((s32[], f32[2]) %t), condition=%c, body=%b\n')
   got = profile_summary.hlo_instructions(text)
   assert got == {"fusion.3": ("fusion", "jit(f)/jvp(loss)/exp"),
                  "while.2": ("while", "")}

@@ -43,6 +43,10 @@ import jax.numpy as jnp
 
 IMPLS = ("auto", "xla", "megablox", "ragged_dot")
 DEFAULT_TILE_M = 128
+# The megablox kernels' rows per tile: on a TPU v5e, 512 rows gave the
+# fastest forward+gradient at a MoE's shapes (32768 rows, 16 experts;
+# `experiments/bench_gmm_tiles.py`, docs/performance.md), 128 the slowest.
+MEGABLOX_TILE_M = 512
 
 
 def resolve_impl(impl: str) -> str:
@@ -114,7 +118,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   if impl == "megablox":
     # The kernel visits only the tiles that hold rows (a dynamic grid):
     # full-size tiles cost nothing extra there.
-    tm = tile_m or min(DEFAULT_TILE_M, -(-M // 16) * 16)
+    tm = tile_m or min(MEGABLOX_TILE_M, -(-M // 16) * 16)
     return _megablox(lhs, rhs, group_sizes, tm)
   tm = tile_m or default_tile_m(M, rhs.shape[0])
   return _xla_gmm(lhs, rhs, group_sizes, tm)
