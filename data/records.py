@@ -38,6 +38,7 @@ import collections
 import contextlib
 import dataclasses
 import glob as glob_lib
+import hashlib
 import os
 import re
 import threading
@@ -181,17 +182,22 @@ class DocumentsInfo:
 class Settings(corpus.CorpusSettings):
   """The `config.data` fields every record source has (the one home of
   their defaults); a source subclasses it with its own."""
-  # "bytes" (UTF-8 bytes, 256 ids) or "hf:PATH" (a released model's
-  # tokenizer.json).
+  # "bytes" (UTF-8 bytes, 256 ids), "bpe" (a byte-level BPE learnt on
+  # this corpus's training split, built once per data dir) or "hf:PATH" (a
+  # released model's tokenizer.json).
   tokenizer: str = "bytes"
+  bpe_vocab_size: int = 4096      # BPE: token ids (the model's vocabulary).
+  # BPE: a byte-level tokenizer.json; "" = the one built (once) for this
+  # corpus under <data_dir>/tokenizers. Where it lives may change on resume.
+  tokenizer_path: str = ""
   text_field: str = "text"        # The record's field holding the text.
   # % of records held out for validation (by hash) where the source has no
   # validation split of its own, in [1, 99].
   validation_percent: int = 5
   # Skip (and count) bad records and files instead of stopping.
   skip_bad_records: bool = False
-  # hf: the tokenizer's SHA-256; "" = filled in when the run starts. A
-  # resume with another file is refused (it changes the data).
+  # bpe, hf: the tokenizer's SHA-256; "" = filled in when the run starts.
+  # A resume with another file is refused (it changes the data).
   tokenizer_sha256: str = ""
 
   FEATURES = ("tokens",)
@@ -203,19 +209,21 @@ class Settings(corpus.CorpusSettings):
         1 <= self.validation_percent <= 99):
       raise ValueError(f"config.data.validation_percent must be an int in "
                        f"[1, 99], got {self.validation_percent!r}.")
-    if self.tokenizer != "bytes" and not tokenizer_lib.hf_path(
-        self.tokenizer):
+    if self.tokenizer not in text_files.TOKENIZERS and not (
+        tokenizer_lib.hf_path(self.tokenizer)):
       raise ValueError(
           f"config.data.tokenizer of a {type(self).__module__} corpus must "
-          f"be 'bytes' or 'hf:PATH' (a tokenizer.json), got "
-          f"{self.tokenizer!r}.")
+          f"be one of {text_files.TOKENIZERS} or 'hf:PATH' (a "
+          f"tokenizer.json), got {self.tokenizer!r}.")
+    if self.is_bpe:
+      tokenizer_lib.check_vocab_size(self.bpe_vocab_size)
     if not self.text_field:
       raise ValueError("config.data.text_field must name the field (column) "
                        "of the text, e.g. 'text'.")
 
   @property
   def is_bpe(self) -> bool:
-    return False   # The corpus's own BPE is text_files' alone.
+    return self.tokenizer == "bpe"
 
   @property
   def hf_path(self) -> str:
@@ -223,6 +231,8 @@ class Settings(corpus.CorpusSettings):
     return tokenizer_lib.hf_path(self.tokenizer)
 
   def data_vocab_size(self) -> int:
+    if self.is_bpe:
+      return self.bpe_vocab_size
     if not self.hf_path:
       return text_files.VOCAB_SIZE
     return tokenizer_lib.vocab_size(tokenizer_lib.load_hf(self.hf_path))
@@ -237,12 +247,56 @@ class Settings(corpus.CorpusSettings):
 
   def resolve(self, data_dir: str) -> "Settings":
     """These settings with the tokenizer's checksum filled in (hf; see
-    `text_files.check_hf`)."""
-    del data_dir
-    if not self.hf_path:
+    `text_files.check_hf`), or the BPE's path and checksum (built from the
+    training split if `tokenizer_path` is unset and it does not exist yet;
+    see `text_files.check_bpe`)."""
+    if self.hf_path:
+      return dataclasses.replace(self, tokenizer_sha256=text_files.check_hf(
+          self.hf_path, self.tokenizer_sha256))
+    if not self.is_bpe:
       return self
-    return dataclasses.replace(self, tokenizer_sha256=text_files.check_hf(
-        self.hf_path, self.tokenizer_sha256))
+    path = os.path.abspath(os.path.expanduser(
+        self.tokenizer_path or self.default_tokenizer_path(data_dir)))
+    if not self.tokenizer_path and not os.path.exists(path):
+      texts = self._training_texts(data_dir, tokenizer_lib.SAMPLE_BYTES)
+      logging.info("Training a %d-token byte-level BPE on the first %d "
+                   "training records of this %s corpus (%d bytes).",
+                   self.bpe_vocab_size, len(texts), type(self).__module__,
+                   sum(len(t.encode()) for t in texts))
+      tokenizer_lib.write(tokenizer_lib.train(texts, self.bpe_vocab_size),
+                          path)
+    digest = text_files.check_bpe(path, self.tokenizer_sha256,
+                                  self.bpe_vocab_size)
+    return dataclasses.replace(self, tokenizer_path=path,
+                               tokenizer_sha256=digest)
+
+  def default_tokenizer_path(self, data_dir: str) -> str:
+    """Where this corpus's BPE of this size is built: named after a hash
+    of the settings that choose the records and their texts."""
+    fields = {k: v for k, v in dataclasses.asdict(self).items()
+              if not k.startswith(("tokenizer", "bpe_", "skip_"))}
+    key = hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()
+    return os.path.join(
+        data_dir, "tokenizers",
+        f"{type(self).__module__.split('.')[-1]}_{key[:16]}_bpe"
+        f"{self.bpe_vocab_size}", "tokenizer.json")
+
+  def _training_texts(self, data_dir: str, max_bytes: int) -> list[str]:
+    """The training split's texts, in order, up to `max_bytes` (bad
+    records left out)."""
+    texts, total = [], 0
+    records = self._split_records("train", data_dir, 0, 1, Skipped())
+    for r in records.as_numpy_iterator():
+      if total >= max_bytes:
+        break
+      try:
+        text = self.text(r["record"]) if r["present"] else ""
+      except Problem:
+        continue
+      if text:
+        texts.append(text)
+        total += len(text.encode("utf-8", "replace"))
+    return texts
 
   def text(self, record: bytes) -> str:
     """The text of a raw record.
@@ -270,6 +324,22 @@ class Settings(corpus.CorpusSettings):
     """
     raise NotImplementedError
 
+  def _split_records(self, split: str, data_dir: str, process_index: int,
+                     process_count: int, skipped: Skipped
+                     ) -> tf.data.Dataset:
+    """This process's records of a split: the hold-out and the sharding."""
+    records, hold_out, sharded = self.records(split, data_dir, process_index,
+                                              process_count, skipped)
+    if hold_out:
+      validation = tf.constant(split == "validation")
+      percent = self.validation_percent
+      records = records.filter(lambda r: tf.equal(
+          tf.strings.to_hash_bucket_fast(r["record"], HASH_BUCKETS) < percent,
+          validation))
+    if not sharded:
+      records = records.shard(process_count, process_index)
+    return records
+
   def documents(self, split: str, *, data_dir: str, process_index: int,
                 process_count: int
                 ) -> tuple[tf.data.Dataset, DocumentsInfo]:
@@ -285,16 +355,8 @@ class Settings(corpus.CorpusSettings):
         records (those read to estimate the mean document length).
     """
     skipped = Skipped()
-    records, hold_out, sharded = self.records(split, data_dir, process_index,
-                                              process_count, skipped)
-    if hold_out:
-      validation = tf.constant(split == "validation")
-      percent = self.validation_percent
-      records = records.filter(lambda r: tf.equal(
-          tf.strings.to_hash_bucket_fast(r["record"], HASH_BUCKETS) < percent,
-          validation))
-    if not sharded:
-      records = records.shard(process_count, process_index)
+    records = self._split_records(split, data_dir, process_index,
+                                  process_count, skipped)
     documents = encode(records, self, skipped)
     sample = [len(d["tokens"]) for d in encode(
         records.take(_SAMPLE_RECORDS), self, None).as_numpy_iterator()]
@@ -324,8 +386,10 @@ class _Encoder:
     self.settings = settings
     self.count = skipped is not None
     self.skipped = settings.skipped(skipped) if self.count else None
-    self.tokenizer = (tokenizer_lib.load_hf(settings.hf_path)
-                      if settings.hf_path else None)
+    self.tokenizer = (
+        tokenizer_lib.load_hf(settings.hf_path) if settings.hf_path else
+        tokenizer_lib.load(settings.tokenizer_path) if settings.is_bpe else
+        None)
 
   def _text(self, record: bytes, present: bool) -> str:
     if not present:

@@ -186,6 +186,31 @@ def check_hf(path: str, sha256: str) -> str:
   return digest
 
 
+def check_bpe(path: str, sha256: str, vocab_size: int) -> str:
+  """The SHA-256 of the byte-level BPE at `path`, checked against the
+  recorded `sha256` ("" = none) and `vocab_size` (the one check of a BPE
+  file, for every corpus).
+
+  Raises:
+    FileNotFoundError: no such file.
+    TokenizerChangedError: another checksum than `sha256`.
+    ValueError: not a byte-level tokenizer, or more than `vocab_size` ids.
+  """
+  tok = tokenizer_lib.load(path)
+  digest = tokenizer_lib.sha256(path)
+  if sha256 and digest != sha256:
+    raise TokenizerChangedError(
+        f"The tokenizer {path} has SHA-256 {digest}, but the config "
+        f"records {sha256} (config.data.tokenizer_sha256): the file changed "
+        "since the run started. Restore it, or start a new run (another "
+        "--workdir).")
+  if tok.get_vocab_size() > vocab_size:
+    raise ValueError(
+        f"The tokenizer {path} has {tok.get_vocab_size()} tokens, more than "
+        f"config.data.bpe_vocab_size={vocab_size}.")
+  return digest
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings(corpus.CorpusSettings):
   """The `config.data` fields of the text_files dataset, validated (the one
@@ -286,18 +311,7 @@ class Settings(corpus.CorpusSettings):
       tokenizer_lib.train_for_files(
           [f[0] for f in train_files], vocab_size=self.bpe_vocab_size,
           seed=self.tokenizer_seed, path=path)
-    tok = tokenizer_lib.load(path)
-    digest = tokenizer_lib.sha256(path)
-    if self.tokenizer_sha256 and digest != self.tokenizer_sha256:
-      raise TokenizerChangedError(
-          f"The tokenizer {path} has SHA-256 {digest}, but the config "
-          f"records {self.tokenizer_sha256} (config.data.tokenizer_sha256): "
-          "the file changed since the run started. Restore it, or start a "
-          "new run (another --workdir).")
-    if tok.get_vocab_size() > self.bpe_vocab_size:
-      raise ValueError(
-          f"The tokenizer {path} has {tok.get_vocab_size()} tokens, more "
-          f"than config.data.bpe_vocab_size={self.bpe_vocab_size}.")
+    digest = check_bpe(path, self.tokenizer_sha256, self.bpe_vocab_size)
     return dataclasses.replace(self, tokenizer_path=path,
                                tokenizer_sha256=digest)
 

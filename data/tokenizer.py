@@ -157,7 +157,12 @@ def train_for_files(paths: Sequence[str], *, vocab_size: int, seed: int,
   logging.info("Training a %d-token byte-level BPE on %d files (%d bytes; "
                "%d not UTF-8, left out).", vocab_size, len(texts),
                sum(len(t.encode()) for t in texts), skipped)
-  tok = train(texts, vocab_size)
+  return write(train(texts, vocab_size), path)
+
+
+def write(tok: tokenizers.Tokenizer, path: str) -> str:
+  """Writes `tok` to `path` atomically (directories are created); returns
+  the file's SHA-256."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with tempfile.NamedTemporaryFile(
       "w", encoding="utf-8", dir=os.path.dirname(os.path.abspath(path)),

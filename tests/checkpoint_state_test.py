@@ -31,8 +31,12 @@ def test_unknown_and_bad_config_keys(data_dir):
   # Byte-level data (256 ids) for a model with 16 ids.
   config = tiny_config(data_dir)
   config.data.name = "text_files"
-  with pytest.raises(ValueError, match="256 token ids"):
+  with pytest.raises(ValueError, match="256 token ids") as e:
     state_lib.check_config(config)
+  # The message names the fix; the fix works.
+  assert "--config.model.vocab_size=256" in str(e.value)
+  config.model.vocab_size = 256
+  state_lib.check_config(config)
   # A locked config (as train.py's --config.* overrides) rejects new keys.
   config = tiny_config(data_dir)
   config.lock()

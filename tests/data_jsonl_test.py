@@ -5,6 +5,7 @@ input."""
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ import tensorflow as tf
 import tokenizers
 
 from data import packing, pipeline, records
+from data import tokenizer as data_tokenizer
 from kda_lm import testing
 
 SEQ_LEN = 32
@@ -177,6 +179,41 @@ def test_hf_tokenizer_gives_the_library_ids(corpus, tmp_path):
       ml_collections.ConfigDict({"data": config}),
       str(tmp_path / "run"))
   assert len(resolved.data.tokenizer_sha256) == 64
+
+
+def test_a_bpe_is_learnt_from_the_training_records(corpus, tmp_path,
+                                                   monkeypatch):
+  """`tokenizer="bpe"`, as for text files: a byte-level BPE learnt once per
+  data dir from the training split's texts (no validation record), named
+  by path and SHA-256 in the run's config; its ids decode back to each
+  validation record."""
+  root, texts = corpus
+  config = _config(_files(root), tokenizer="bpe", bpe_vocab_size=300)
+  assert pipeline.vocab_size(config) == 300
+  learnt_from = []
+  train = data_tokenizer.train
+  monkeypatch.setattr(data_tokenizer, "train", lambda t, v: (
+      learnt_from.extend(t), train(t, v))[1])
+  run = ml_collections.ConfigDict({"data": config})
+  resolved = pipeline.resolve_config(run, str(tmp_path / "run"))
+  held_out = [t for t in texts if _held_out(t)]
+  assert held_out and sorted(learnt_from) == sorted(
+      t for t in texts if not _held_out(t))
+  path = resolved.data.tokenizer_path
+  assert os.path.isfile(path) and len(resolved.data.tokenizer_sha256) == 64
+  tok = tokenizers.Tokenizer.from_file(path)
+  assert 256 < tok.get_vocab_size() <= 300
+  documents, _ = pipeline.load_documents(resolved.data, "validation",
+                                         data_dir=str(tmp_path))
+  ids = [d["tokens"].tolist() for d in documents.as_numpy_iterator()]
+  assert max(max(i) for i in ids) < 300
+  assert sum(map(len, ids)) < sum(len(t.encode()) for t in held_out)
+  assert sorted(tok.decode(i) for i in ids) == sorted(held_out)
+  # Built once: a second run of the same corpus reuses the file.
+  learnt_from.clear()
+  again = pipeline.resolve_config(run, str(tmp_path / "run"))
+  assert not learnt_from and again.data.tokenizer_path == path
+  assert again.data.tokenizer_sha256 == resolved.data.tokenizer_sha256
 
 
 def _write(path, lines):
