@@ -3,6 +3,7 @@
 import inspect
 from typing import Any
 
+from absl import logging
 from etils import epath
 import tensorflow_datasets as tfds
 
@@ -29,6 +30,16 @@ class LocalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
   def _features(self) -> dict[str, Any]:
     raise NotImplementedError
+
+  # TFDS prints "Downloading and preparing dataset ..." in bold before any
+  # build; these builders download nothing, so they say what they do.
+  def _log_download_bytes(self) -> None:
+    logging.info("Building the dataset %s from local files in %s (once "
+                 "per data dir; nothing is downloaded).", self.name,
+                 self.data_dir)
+
+  def _log_download_done(self) -> None:
+    logging.info("Built the dataset %s in %s.", self.name, self.data_dir)
 
   def _info(self) -> tfds.core.DatasetInfo:
     module = inspect.getmodule(type(self))

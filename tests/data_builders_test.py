@@ -16,14 +16,20 @@ def _load(name, config, split, data_dir):
                         shuffle_files=False).as_numpy_iterator())
 
 
-def test_delayed_copy_builds_offline(tmp_path):
+def test_delayed_copy_builds_offline(tmp_path, capsys, caplog):
   config = delayed_copy.make_config(vocab_size=50, delay=5, min_len=3,
                                     max_len=40, num_train_docs=120,
                                     num_eval_docs=30, seed=7)
   start = time.time()
   builder = tfds.builder("delayed_copy", config=config,
                          data_dir=str(tmp_path), file_format="tfrecord")
-  builder.download_and_prepare()
+  with caplog.at_level("INFO"):
+    builder.download_and_prepare()
+  # Nothing is downloaded, and the build says so (TFDS's own line claims
+  # a download).
+  out = capsys.readouterr()
+  assert "Download" not in out.out + out.err
+  assert "nothing is downloaded" in caplog.text
   assert time.time() - start < 30
   assert builder.info.splits["train"].num_examples == 120
   assert builder.info.splits["validation"].num_examples == 30
