@@ -49,7 +49,7 @@ def fwd_bwd(fn):
 
 def candidates(K, N):
   """{name: fn(lhs, rhs, sizes)} of the implementations and tilings."""
-  out = {"ragged_dot": lambda l, r, s: jax.lax.ragged_dot(l, r, s)}
+  out = {"ragged_dot": jax.lax.ragged_dot}
   interpret = jax.default_backend() == "cpu"
   for spec in _TILES.value:
     tm, tk, tn = (int(v) for v in spec.split("x"))
@@ -57,8 +57,8 @@ def candidates(K, N):
     if K % tiling[1] or N % tiling[2]:
       continue
     out[f"megablox {tiling}"] = functools.partial(
-        lambda l, r, s, t: gmm._megablox_call(  # pylint: disable=protected-access
-            l, r, s, t, interpret), t=tiling)
+        lambda x, w, s, t: gmm._megablox_call(  # pylint: disable=protected-access
+            x, w, s, t, interpret), t=tiling)
   return out
 
 
@@ -79,7 +79,7 @@ def main(argv):
   for skew_name, skew in (("even", 1.0), ("skewed", 1.15)):
     sizes = group_sizes(M, E, skew)
     for name, fn in candidates(K, N).items():
-      step = fwd_bwd(lambda l, r, f=fn, s=sizes: f(l, r, s))
+      step = fwd_bwd(lambda x, w, f=fn, s=sizes: f(x, w, s))
       sec = timing.median_seconds(step.lower(lhs, rhs, dout).compile(),
                                   (lhs, rhs, dout), _REPEATS.value)
       print(f"| {name} | {skew_name} | {1e3 * sec:.2f} | "

@@ -62,7 +62,7 @@ import jax.extend  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments import compile_report  # noqa: E402
+from experiments import compile_mesh, compile_report  # noqa: E402
 import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
 from kda_lm.ops import chunk_kda  # noqa: E402
 from kda_lm.ops.kda import pallas  # noqa: E402
@@ -125,8 +125,7 @@ def _devices(target):
       spec = f.read()
     return topologies.get_topology_desc(
         platform="cuda", target_config=spec, topology="1x1x1").devices
-  return topologies.get_topology_desc(
-      topology_name=TPU[target], platform="tpu").devices
+  return compile_mesh.tpu_devices(TPU[target])
 
 
 def _mesh(target):

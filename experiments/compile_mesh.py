@@ -92,12 +92,26 @@ class Row:
   problems: list = dataclasses.field(default_factory=list)
 
 
+def tpu_devices(topology: str) -> list:
+  """Compile-only devices of a TPU topology ("v5p:2x2x1"), the one place
+  that asks libtpu for them.
+
+  Several such compiles may run on one host at once: libtpu's lock file
+  keeps a second process off a real chip, and there is no chip here
+  (without `ALLOW_MULTIPLE_LIBTPU_LOAD` the second process stops, and its
+  message advises deleting the first one's lock).
+  """
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  return topologies.get_topology_desc(topology_name=topology,
+                                      platform="tpu").devices
+
+
 def devices(target):
   """Compile-only devices of `target` ("v5p", "h100x<n>")."""
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   if target in TPU_TOPOLOGIES:
-    return topologies.get_topology_desc(
-        topology_name=TPU_TOPOLOGIES[target], platform="tpu").devices
+    return tpu_devices(TPU_TOPOLOGIES[target])
   if target.startswith("h100x"):
     with open(H100_SPEC) as f:
       return topologies.get_topology_desc(

@@ -84,8 +84,7 @@ CHIPS = {
 def target_devices(chip: Chip) -> list:
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   if chip.platform == "tpu":
-    return topologies.get_topology_desc(topology_name=chip.topology,
-                                        platform="tpu").devices
+    return compile_mesh.tpu_devices(chip.topology)
   with open(compile_mesh.H100_SPEC) as f:
     return topologies.get_topology_desc(
         platform="cuda", target_config=f.read(),

@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments import bench_kda_tpu  # noqa: E402
+from experiments import bench_kda_tpu, compile_mesh  # noqa: E402
 from kda_lm.ops.kda import pallas  # noqa: E402
 
 _IMPL = flags.DEFINE_enum("impl", "pallas", ["pallas", "xla"], "The impl.")
@@ -66,9 +66,7 @@ def entry_traffic(hlo_text):
 
 def compiled_text(impl, B, T, H, D):
   """The optimized HLO of the benchmark's forward+backward program."""
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  devices = topologies.get_topology_desc(
-      topology_name=_TOPOLOGY.value, platform="tpu").devices
+  devices = compile_mesh.tpu_devices(_TOPOLOGY.value)
   mesh = jax.sharding.Mesh(np.array(devices[:1]), ("x",))
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   s = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)

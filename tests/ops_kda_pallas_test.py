@@ -572,7 +572,8 @@ def test_tpu_family_changing_one_document_leaves_others_bit_identical():
 
 
 def _kernel_names(fn, *args):
-  return [eqn.params["name"] for eqn in helpers.jaxpr_eqns(jax.make_jaxpr(fn)(*args).jaxpr)
+  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+  return [eqn.params["name"] for eqn in helpers.jaxpr_eqns(jaxpr)
           if eqn.primitive.name == "pallas_call"]
 
 

@@ -79,7 +79,8 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
   if data_vocab > run.model.vocab_size:
     raise ValueError(
         f"The data has {data_vocab} token ids (config.data: "
-        f"{run.data.name} and its tokenizer) but the model only {run.model.vocab_size} (config.model.vocab_size). Give "
+        f"{run.data.name} and its tokenizer) but the model only "
+        f"{run.model.vocab_size} (config.model.vocab_size). Give "
         f"the model {data_vocab}: --config.model.vocab_size={data_vocab}, "
         f"or, where the config makes the model's follow the data's as "
         f"configs/ling3_tiny.py does, --config.data.vocab_size={data_vocab} "
