@@ -86,6 +86,18 @@ def _empty_byte_level() -> tokenizers.Tokenizer:
   return tok
 
 
+def bytes_tokenizer() -> tokenizers.Tokenizer:
+  """The byte-level data as a `tokenizer.json`: id b is byte b (as the
+  "bytes" tokenizer's ids), no merges, no special tokens; encoding a text
+  gives its UTF-8 bytes and decoding any ids their bytes as UTF-8."""
+  vocab = {symbol: b for symbol, b in _byte_of_symbol().items()}
+  tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                               use_regex=False)
+  tok.decoder = decoders.ByteLevel()
+  return tok
+
+
 def train(texts: Sequence[str], vocab_size: int) -> tokenizers.Tokenizer:
   """Learns a byte-level BPE of at most `vocab_size` tokens on `texts`.
 

@@ -9,8 +9,10 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
+import tokenizers
 
 from configs import ling3
+from data import pipeline
 from data import tokenizer as tokenizer_lib
 from kda_lm import hf, testing
 from kda_lm.checkpoint import manager as manager_lib
@@ -90,12 +92,67 @@ def test_generate_encodes_with_an_imported_tokenizer(tmp_path):
   """A `tokenizer.json` in the workdir (as the import copies it) is the
   text codec of `generate --prompt`."""
   tok = tokenizer_lib.train(["hello world, hello there"] * 4, 260)
-  tok.save(str(tmp_path / hf_workdir.TOKENIZER))
+  tok.save(str(tmp_path / state_lib.HF_TOKENIZER_FILES[0]))
   run = state_lib.Run(str(tmp_path), ml_collections.ConfigDict(
       {"data": {"name": "delayed_copy"}}), None, 0)
   codec = generate.text_codec(run)
   ids = codec.encode("hello world")
   assert ids == tok.encode("hello world").ids and max(ids) >= 256
   assert codec.decode(ids) == "hello world"
-  os.remove(tmp_path / hf_workdir.TOKENIZER)
+  os.remove(tmp_path / state_lib.HF_TOKENIZER_FILES[0])
   assert generate.text_codec(run) is None
+
+
+def _text_run(tmp_path, **data):
+  """A `Run` (no parameters) of a JSONL corpus with `data`'s settings."""
+  corpus = tmp_path / "corpus.jsonl"
+  corpus.write_text("".join(json.dumps({"text": t}) + "\n"
+                            for t in testing.corpus_texts(40)))
+  config = ml_collections.ConfigDict({"data": dict(
+      pipeline.default_config().to_dict(), name="jsonl", files=str(corpus),
+      data_dir=str(tmp_path / "data"), **data)})
+  return state_lib.Run(str(tmp_path / "run"), config, None, 0)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bpe", "imported", "token_ids"])
+def test_export_writes_the_runs_tokenizer(tmp_path, kind):
+  """Beside an export: a byte-level tokenizer.json whose ids are the bytes
+  (bytes runs), the run's own BPE file, an imported checkpoint's files as
+  they came, or nothing (token ids); with a tokenizer_config.json that
+  lets `transformers.AutoTokenizer` load it."""
+  out = tmp_path / "export"
+  out.mkdir()
+  if kind == "token_ids":
+    run = state_lib.Run(str(tmp_path), ml_collections.ConfigDict(
+        {"data": {"name": "delayed_copy"}}), None, 0)
+  elif kind == "imported":
+    run = _text_run(tmp_path)
+    os.makedirs(run.workdir)
+    tokenizer_lib.train(["hello world"] * 4, 260).save(
+        os.path.join(run.workdir, "tokenizer.json"))
+    with open(os.path.join(run.workdir, "tokenizer_config.json"), "w") as f:
+      json.dump({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>"}, f)
+  else:
+    run = _text_run(tmp_path, tokenizer=kind, bpe_vocab_size=300)
+  hf_workdir._export_tokenizer(run, str(out))  # pylint: disable=protected-access
+  written = out / "tokenizer.json"
+  if kind == "token_ids":
+    assert not os.listdir(out)
+    return
+  tok = tokenizers.Tokenizer.from_file(str(written))
+  text = "héllo, wörld ∑"
+  with open(out / "tokenizer_config.json") as f:
+    tok_config = json.load(f)
+  if kind == "bytes":
+    assert tok.encode(text).ids == list(text.encode())
+  if kind == "bpe":
+    own = generate.text_codec(run)
+    assert tok.encode(text).ids == own.encode(text)
+    assert len(tok.encode(text).ids) < len(text.encode())
+  if kind == "imported":
+    assert written.read_bytes() == open(
+        os.path.join(run.workdir, "tokenizer.json"), "rb").read()
+    assert tok_config["tokenizer_class"] == "LlamaTokenizer"
+  else:
+    assert tok_config["tokenizer_class"] == "PreTrainedTokenizerFast"
+  assert tok.decode(tok.encode(text).ids) == text

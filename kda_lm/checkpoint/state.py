@@ -159,6 +159,40 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(config)
 
 
+# A Hugging Face checkpoint's tokenizer files, copied into the workdir of
+# its import (`kda_lm.hf.workdir`); `tokenizer.json` is the tokenizer.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json",
+                      "special_tokens_map.json")
+
+
+class RunTokenizer(NamedTuple):
+  """A run's text tokenizer (`run_tokenizer`).
+
+  Attributes:
+    path: its `tokenizer.json`; "" = the text's UTF-8 bytes (ids 0..255).
+    released: a released model's tokenizer (an imported checkpoint's, or
+      "hf:PATH"), whose special-token template applies per document; else
+      a BPE trained here or bytes.
+  """
+  path: str
+  released: bool
+
+
+def run_tokenizer(run: Run) -> RunTokenizer | None:
+  """The tokenizer of a run's text (checked against the SHA-256 in its
+  config), or None for runs on token ids (delayed_copy)."""
+  imported = os.path.join(run.workdir, HF_TOKENIZER_FILES[0])
+  if os.path.isfile(imported):
+    return RunTokenizer(imported, True)
+  if run.config.data.name == "delayed_copy":
+    return None
+  data = pipeline.DataConfig.from_config(run.config.data).resolve(
+      pipeline.resolve_data_dir(run.config.data, run.workdir)).dataset
+  if data.hf_path:
+    return RunTokenizer(data.hf_path, True)
+  return RunTokenizer(data.tokenizer_path if data.is_bpe else "", False)
+
+
 def load_run(workdir: str) -> Run:
   """Loads the run's config and its newest complete checkpoint.
 

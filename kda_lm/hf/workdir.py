@@ -27,6 +27,7 @@ import jax
 import ml_collections
 
 from data import pipeline
+from data import tokenizer as tokenizer_lib
 from kda_lm import model as model_lib
 from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import state as state_lib
@@ -34,7 +35,6 @@ from kda_lm.checkpoint import workdir as workdir_lib
 from kda_lm.hf import convert, formats
 from kda_lm.parallel import sharding
 
-TOKENIZER = "tokenizer.json"
 # The imported checkpoint's config.json, kept so that an export carries
 # its token ids and the other fields kda-lm does not model.
 SOURCE_CONFIG = "hf_source_config.json"
@@ -108,9 +108,38 @@ def import_checkpoint(hf_dir: str, workdir: str,
 
 
 def _copy_tokenizer(source: str, target: str) -> None:
-  path = os.path.join(source, TOKENIZER)
-  if os.path.isfile(path):
-    shutil.copyfile(path, os.path.join(target, TOKENIZER))
+  """Copies the Hugging Face tokenizer files that `source` has."""
+  for name in state_lib.HF_TOKENIZER_FILES:
+    if os.path.isfile(os.path.join(source, name)):
+      shutil.copyfile(os.path.join(source, name), os.path.join(target, name))
+
+
+# What an export without a source checkpoint's tokenizer config says about
+# its tokenizer.json, so that `transformers.AutoTokenizer` loads it.
+_TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast",
+                     "clean_up_tokenization_spaces": False}
+
+
+def _export_tokenizer(run: state_lib.Run, hf_dir: str) -> None:
+  """Writes the run's tokenizer beside an export: an imported checkpoint's
+  files as they came, the run's BPE or released tokenizer, or a byte-level
+  `tokenizer.json` whose id b is byte b; none for token-id runs."""
+  tok = state_lib.run_tokenizer(run)
+  target = os.path.join(hf_dir, state_lib.HF_TOKENIZER_FILES[0])
+  if tok is None:
+    logging.info("The run is on token ids (%s): no tokenizer exported.",
+                 run.config.data.name)
+    return
+  if os.path.dirname(tok.path) == run.workdir:
+    _copy_tokenizer(run.workdir, hf_dir)
+  elif tok.path:
+    shutil.copyfile(tok.path, target)
+  else:
+    tokenizer_lib.write(tokenizer_lib.bytes_tokenizer(), target)
+  config_path = os.path.join(hf_dir, state_lib.HF_TOKENIZER_FILES[1])
+  if not os.path.isfile(config_path):
+    with open(config_path, "w") as f:
+      json.dump(_TOKENIZER_CONFIG, f, indent=2)
 
 
 def export_checkpoint(workdir: str, hf_dir: str, *,
@@ -136,6 +165,6 @@ def export_checkpoint(workdir: str, hf_dir: str, *,
   convert.save_pretrained(run.config.model, run.params, hf_dir,
                           max_shard_size=max_shard_size,
                           model_type=model_type, source_config=source)
-  _copy_tokenizer(run.workdir, hf_dir)
+  _export_tokenizer(run, hf_dir)
   logging.info("Exported %s (step %d) to %s.", run.workdir, run.step, hf_dir)
   return run

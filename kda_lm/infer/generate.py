@@ -18,7 +18,6 @@ Loads `<workdir>/config.json` and the newest checkpoint, then either
 """
 
 import functools
-import os
 import sys
 import time
 from typing import Optional, Sequence
@@ -32,26 +31,17 @@ from kda_lm import logs
 from kda_lm.checkpoint import state as state_lib
 from kda_lm.infer import decoding
 
-# An imported Hugging Face checkpoint's tokenizer, in its workdir.
-IMPORTED_TOKENIZER = "tokenizer.json"
-
 
 def text_codec(run: state_lib.Run) -> Optional[tokenizer_lib.TextCodec]:
-  """The run's text codec (bytes, its BPE or a released model's
-  tokenizer.json, checked against the SHA-256 in its config; or the
-  `tokenizer.json` that `python -m kda_lm.hf import` copied into the
-  workdir); None for runs that are not on text (token ids)."""
-  from data import pipeline  # pylint: disable=g-import-not-at-top
-  imported = os.path.join(run.workdir, IMPORTED_TOKENIZER)
-  if os.path.isfile(imported):
-    return tokenizer_lib.TextCodec(hf_tokenizer_path=imported)
-  if run.config.data.name == "delayed_copy":
+  """The run's text codec (`state.run_tokenizer`: bytes, its BPE, a
+  released model's tokenizer.json or an imported checkpoint's); None for
+  runs that are not on text (token ids)."""
+  tok = state_lib.run_tokenizer(run)
+  if tok is None:
     return None
-  data = pipeline.DataConfig.from_config(run.config.data).resolve(
-      pipeline.resolve_data_dir(run.config.data, run.workdir))
-  return tokenizer_lib.TextCodec(
-      data.dataset.tokenizer_path if data.dataset.is_bpe else "",
-      hf_tokenizer_path=data.dataset.hf_path)
+  if tok.released:
+    return tokenizer_lib.TextCodec(hf_tokenizer_path=tok.path)
+  return tokenizer_lib.TextCodec(tok.path)
 
 
 def parse_prompt(prompt: str, codec: Optional[tokenizer_lib.TextCodec]
