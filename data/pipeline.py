@@ -67,11 +67,11 @@ from data import (
   packing,
   parquet,
   records,
+  sections,
   text_files,
   tfds_source,
 )
 from data import tokenizer as tokenizer_lib
-from kda_lm import config as config_lib
 
 # The datasets by `config.data.name`: each module's `Settings` dataclass
 # holds its `config.data` fields, defaults and validation, its vocabulary,
@@ -105,7 +105,7 @@ class DataConfig:
   pack_window_rows: int = 64      # Rows' worth of documents packed together.
   # The named dataset's settings (not a config key; see `from_config`).
   dataset: Any = dataclasses.field(default=None, compare=False,
-                                   metadata=config_lib.NOT_A_KEY)
+                                   metadata=sections.NOT_A_KEY)
 
   def __post_init__(self):
     if self.seq_len < 2:
@@ -136,17 +136,17 @@ class DataConfig:
     """
     if isinstance(values, cls):
       return values
-    config_lib.check_keys("data", values, set(keys()))
+    sections.check_keys("data", values, set(keys()))
     given = {k: values[k] for k in values.keys() if values[k] is not None}
     name = given.get("name", cls.name)
     if name not in DATASETS:
       raise ValueError(f"Unknown dataset name {name!r}; known: "
                        f"{tuple(DATASETS)}.")
     settings = DATASETS[name]
-    dataset = settings(**{k: given[k] for k in config_lib.field_names(settings)
+    dataset = settings(**{k: given[k] for k in sections.field_names(settings)
                           if k in given})
     return cls(dataset=dataset, **{k: given[k] for k in
-                                   config_lib.field_names(cls) if k in given})
+                                   sections.field_names(cls) if k in given})
 
   def vocab_size(self) -> int:
     """The number of token ids of the named dataset."""
@@ -160,17 +160,17 @@ class DataConfig:
 
 def keys() -> list[str]:
   """Every key of `config.data`: the pipeline's, then each dataset's."""
-  out = list(config_lib.field_names(DataConfig))
+  out = list(sections.field_names(DataConfig))
   for settings in DATASETS.values():
-    out += [k for k in config_lib.field_names(settings) if k not in out]
+    out += [k for k in sections.field_names(settings) if k not in out]
   return out
 
 
 def default_config() -> ml_collections.ConfigDict:
   """Returns the default `config.data` (every key of every dataset)."""
-  config = config_lib.config_dict(DataConfig)
+  config = sections.config_dict(DataConfig)
   for settings in DATASETS.values():
-    config.update(config_lib.config_dict(settings))
+    config.update(sections.config_dict(settings))
   return config
 
 

@@ -5,7 +5,10 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Rank of each room: a module may import its own room and lower ranks.
+# `data` stands alone: it imports nothing from kda_lm (the library reads
+# its settings, never the other way round).
 RANKS = {
+    "data": -1,
     "kda_lm.segments": 0, "kda_lm.logs": 0,
     "kda_lm.ops": 1,
     "kda_lm.parallel": 2,
@@ -13,7 +16,6 @@ RANKS = {
     "kda_lm.config": 4, "kda_lm.stack": 4.5,
     "kda_lm.model": 5, "kda_lm.losses": 5, "kda_lm.optimizer": 5,
     "kda_lm.flops": 5.5,
-    "data": 6,
     "kda_lm.checkpoint": 7,
     "kda_lm.train": 8, "kda_lm.infer": 8, "kda_lm.hf": 8,
     "kda_lm.testing": 9,
