@@ -287,7 +287,8 @@ def test_bad_files_and_globs(tmp_path):
            (_config(""), "config.data.files is empty"),
            (_config(good, text_field="body", skip_bad_records=True),
             "no document among"),
-           (_config(good, tokenizer="bpe"), "'bytes' or 'hf:PATH'")]
+           (_config(good, tokenizer="spm"),
+            r"one of \('bytes', 'bpe'\) or 'hf:PATH'")]
   for config, message in cases:
     with pytest.raises(ValueError, match=message):
       _documents(config, data_dir)
