@@ -4,7 +4,7 @@ r"""The published Ling 3.0 shapes (`BailingMoeV3`), for shape-level use.
 `get_config("flash")` Ling-3.0-flash (~125B / 5.1B, plus one MTP layer);
 see `docs/layers.md`. Only the `model` dict is real: the
 other sections are ling3_tiny's so that the config passes
-`kda_lm.train.loop.check_config`, but these models are far too large to
+`kda_lm.config.check_config`, but these models are far too large to
 train or even initialise on this machine. Use them with `jax.eval_shape`:
 
   python -m kda_lm.model --config=configs/ling3.py:tiny --noshapes

@@ -40,6 +40,7 @@ import tensorflow as tf
 import kda_lm  # noqa: F401  # isort: skip  (first: XLA:CPU flags)
 from configs import ling3_tiny
 from data import packing, pipeline
+from kda_lm import config as config_lib
 from kda_lm import model as model_lib
 from kda_lm import optimizer
 from kda_lm.checkpoint import state as state_lib
@@ -85,7 +86,7 @@ class Compiled:
   """The jitted init, update and per-token loss, shared by all runs."""
 
   def __init__(self, config: ml_collections.ConfigDict, steps: int):
-    cfg = state_lib.check_config(config)
+    cfg = config_lib.check_config(config)
     model = model_lib.build(cfg.model)
     tx, schedule = optimizer.make_optimizer(cfg.opt, steps)
     self.init = jax.jit(state_lib.make_init_fn(model, tx, cfg.data.seq_len))

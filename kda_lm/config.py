@@ -13,16 +13,18 @@ of the defaults, and `__post_init__` raises a `ValueError` naming the field.
 """
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
+import ml_collections
 import numpy as np
 
-from data import sections
+from data import pipeline, sections
 from kda_lm.layers import kda, mla, moe, rope
 from kda_lm.ops import gmm
 from kda_lm.ops.kda import api as kda_api
 from kda_lm.ops.kda import common as kda_common
 from kda_lm.ops.kda.pallas import options as pallas_options
+from kda_lm.parallel import sharding
 
 LAYER_KINDS = {"K": "kda", "M": "mla"}
 # What a layer keeps for the backward pass (`config.train.remat`; each is
@@ -470,3 +472,62 @@ SECTIONS = {"model": ModelConfig, "opt": OptConfig, "train": TrainConfig,
             "eval": EvalConfig, "checkpoint": CheckpointConfig,
             "mesh": MeshConfig}
 
+
+# ---------------------------------------------------------------------------
+# A whole training config.
+
+# Every section's name, in the order a config prints them.
+RUN_SECTIONS = ("model", "data", *[s for s in SECTIONS if s != "model"])
+
+
+class RunConfig(NamedTuple):
+  """The sections of a training config, typed and validated."""
+  model: ModelConfig
+  data: pipeline.DataConfig
+  opt: OptConfig
+  train: TrainConfig
+  eval: EvalConfig
+  checkpoint: CheckpointConfig
+  mesh: MeshConfig
+
+
+def check_config(config: ml_collections.ConfigDict) -> RunConfig:
+  """Reads every section into its dataclass; rejects unknown keys.
+
+  Args:
+    config: the full training config.
+
+  Returns:
+    The typed sections.
+
+  Raises:
+    ValueError: an unknown or missing section or key (the message names it),
+      a value out of range, data with more token ids than the model, or
+      routed experts that do not divide over `config.mesh.expert`.
+  """
+  keys = set(config.keys()) if hasattr(config, "keys") else set()
+  unknown = sorted(keys - set(RUN_SECTIONS))
+  if unknown:
+    raise ValueError(f"Unknown config section 'config.{unknown[0]}'; known "
+                     f"sections: {list(RUN_SECTIONS)}.")
+  missing = [s for s in RUN_SECTIONS if s not in keys]
+  if missing:
+    raise ValueError(f"Missing config sections: {missing}.")
+  typed = {name: from_config(cls, config[name], name,
+                             required=name != "model")
+           for name, cls in SECTIONS.items()}
+  run = RunConfig(data=pipeline.DataConfig.from_config(config.data), **typed)
+  sharding.check_expert_axis(run.mesh.expert, run.model.num_experts)
+  data_vocab = run.data.vocab_size()
+  if data_vocab > run.model.vocab_size:
+    raise ValueError(
+        f"The data has {data_vocab} token ids (config.data: "
+        f"{run.data.name} and its tokenizer) but the model only "
+        f"{run.model.vocab_size} (config.model.vocab_size). Give "
+        f"the model {data_vocab}: --config.model.vocab_size={data_vocab}, "
+        f"or, where the config makes the model's follow the data's as "
+        f"configs/ling3_tiny.py does, --config.data.vocab_size={data_vocab} "
+        f"(then config.json records {data_vocab} for both); "
+        f"configs/ling3_tiny.py:text_bytes (bytes) and :text (a BPE) set "
+        f"it for you.")
+  return run

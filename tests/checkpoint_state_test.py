@@ -4,39 +4,39 @@ import pytest
 
 from configs import ling3_tiny
 from data import pipeline
+from kda_lm import config as config_lib
 from kda_lm import testing
-from kda_lm.checkpoint import state as state_lib
 
 tiny_config = testing.tiny_train_config
 
 
 def test_unknown_and_bad_config_keys(data_dir):
   config = tiny_config(data_dir)
-  state_lib.check_config(config)
+  config_lib.check_config(config)
   config.train.stepz = 3
   with pytest.raises(ValueError, match=r"config\.train\.stepz"):
-    state_lib.check_config(config)
+    config_lib.check_config(config)
   config = tiny_config(data_dir)
   config.extra = {"a": 1}
   with pytest.raises(ValueError, match=r"config\.extra"):
-    state_lib.check_config(config)
+    config_lib.check_config(config)
   config = tiny_config(data_dir)
   config.model.num_layerz = 3
   with pytest.raises(ValueError, match=r"config\.model\.num_layerz"):
-    state_lib.check_config(config)
+    config_lib.check_config(config)
   config = tiny_config(data_dir)
   del config.opt["peak_lr"]
   with pytest.raises(ValueError, match="peak_lr"):
-    state_lib.check_config(config)
+    config_lib.check_config(config)
   # Byte-level data (256 ids) for a model with 16 ids.
   config = tiny_config(data_dir)
   config.data.name = "text_files"
   with pytest.raises(ValueError, match="256 token ids") as e:
-    state_lib.check_config(config)
+    config_lib.check_config(config)
   # The message names the fix; the fix works.
   assert "--config.model.vocab_size=256" in str(e.value)
   config.model.vocab_size = 256
-  state_lib.check_config(config)
+  config_lib.check_config(config)
   # A locked config (as train.py's --config.* overrides) rejects new keys.
   config = tiny_config(data_dir)
   config.lock()
@@ -52,7 +52,7 @@ def test_unknown_and_bad_config_keys(data_dir):
     ("text,kda_only", "KKKK", "text_files", 4096)])
 def test_config_variants(variant, pattern, dataset, vocab):
   config = ling3_tiny.get_config(variant)
-  state_lib.check_config(config)
+  config_lib.check_config(config)
   assert config.model.attention_pattern == pattern
   assert config.data.name == dataset
   assert config.model.vocab_size == pipeline.vocab_size(config.data) == vocab
@@ -72,13 +72,13 @@ def test_bad_expert_axis_refused_before_tracing(data_dir):
   dense model: a ValueError from the config check, naming the fields."""
   config = tiny_config(data_dir)
   config.mesh.expert = 4
-  assert state_lib.check_config(config).mesh.expert == 4
+  assert config_lib.check_config(config).mesh.expert == 4
   config.mesh.expert = 3
   with pytest.raises(ValueError, match=r"config\.model\.num_experts = 8 is "
                      r"not a multiple of config\.mesh\.expert = 3"):
-    state_lib.check_config(config)
+    config_lib.check_config(config)
   config.mesh.expert = 2
   config.model.num_experts = 0
   with pytest.raises(ValueError, match=r"config\.mesh\.expert = 2 shards "
                      r"routed experts, but the model has none"):
-    state_lib.check_config(config)
+    config_lib.check_config(config)

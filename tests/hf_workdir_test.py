@@ -14,6 +14,7 @@ import tokenizers
 from configs import ling3
 from data import pipeline
 from data import tokenizer as tokenizer_lib
+from kda_lm import config as config_lib
 from kda_lm import hf, testing
 from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import state as state_lib
@@ -59,7 +60,7 @@ def test_import_train_export_import(tmp_path):
   assert start.step == 0
   assert_same_tree(start.params, imported, "step-0 parameters")
   # The rest of step 0 is a fresh run's (one init: the same rng split).
-  cfg = state_lib.check_config(start.config)
+  cfg = config_lib.check_config(start.config)
   manager = manager_lib.CheckpointManager(workdir_lib.checkpoint_dir(workdir))
   state = manager.restore(state_lib.abstract_state(
       cfg, sharding.make_mesh(cfg.mesh)))

@@ -7,8 +7,8 @@
 * `manifest`: per-step file sizes and SHA-256, written and verified.
 * `compat`: whether a checkpoint's parameters fit the model.
 * `data_item`: the Orbax handler of the data iterator's position.
-* `state`: the typed run config, `TrainState`, its initialisation and
-  abstract shapes, and `load_run` for inference.
+* `state`: `TrainState`, its initialisation and abstract shapes, and
+  `load_run` for inference (the typed run config is `kda_lm.config`'s).
 
 May import: `data`, `kda_lm.config`, `model`, `optimizer`,
 `kda_lm.parallel`. Never `kda_lm.train` or `kda_lm.infer` (both import

@@ -1,9 +1,9 @@
-"""A run's typed config, its training state, and loading a trained run.
+"""A run's training state, and loading a trained run.
 
-What training writes and inference reads back: the validated config
-sections (`RunConfig`, `check_config`), the `TrainState` a checkpoint
-restores, its initialisation and abstract shapes, and `load_run` (a run's
-config and newest parameters, for generation and evaluation).
+What training writes and inference reads back: the `TrainState` a
+checkpoint restores, its initialisation and abstract shapes, and
+`load_run` (a run's config and newest parameters, for generation and
+evaluation). The run's typed config is `kda_lm.config.RunConfig`.
 """
 
 import os
@@ -23,9 +23,6 @@ from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import workdir as workdir_lib
 from kda_lm.parallel import sharding
 
-SECTIONS = ("model", "data", *[s for s in config_lib.SECTIONS
-                               if s != "model"])
-
 
 class TrainState(NamedTuple):
   """Everything a checkpoint restores (besides the data position)."""
@@ -33,61 +30,6 @@ class TrainState(NamedTuple):
   opt_state: optax.OptState
   rng: jax.Array   # uint32 [2] PRNG key, split every step.
   step: jax.Array  # int32 scalar: updates done so far.
-
-
-class RunConfig(NamedTuple):
-  """The sections of a training config, typed and validated."""
-  model: config_lib.ModelConfig
-  data: pipeline.DataConfig
-  opt: config_lib.OptConfig
-  train: config_lib.TrainConfig
-  eval: config_lib.EvalConfig
-  checkpoint: config_lib.CheckpointConfig
-  mesh: config_lib.MeshConfig
-
-
-def check_config(config: ml_collections.ConfigDict) -> RunConfig:
-  """Reads every section into its dataclass; rejects unknown keys.
-
-  Args:
-    config: the full training config.
-
-  Returns:
-    The typed sections.
-
-  Raises:
-    ValueError: an unknown or missing section or key (the message names it),
-      a value out of range, data with more token ids than the model, or
-      routed experts that do not divide over `config.mesh.expert`.
-  """
-  keys = set(config.keys()) if hasattr(config, "keys") else set()
-  unknown = sorted(keys - set(SECTIONS))
-  if unknown:
-    raise ValueError(f"Unknown config section 'config.{unknown[0]}'; known "
-                     f"sections: {list(SECTIONS)}.")
-  missing = [s for s in SECTIONS if s not in keys]
-  if missing:
-    raise ValueError(f"Missing config sections: {missing}.")
-  sections = {
-      name: config_lib.from_config(cls, config[name], name,
-                                   required=name != "model")
-      for name, cls in config_lib.SECTIONS.items()}
-  run = RunConfig(data=pipeline.DataConfig.from_config(config.data),
-                  **sections)
-  sharding.check_expert_axis(run.mesh.expert, run.model.num_experts)
-  data_vocab = run.data.vocab_size()
-  if data_vocab > run.model.vocab_size:
-    raise ValueError(
-        f"The data has {data_vocab} token ids (config.data: "
-        f"{run.data.name} and its tokenizer) but the model only "
-        f"{run.model.vocab_size} (config.model.vocab_size). Give "
-        f"the model {data_vocab}: --config.model.vocab_size={data_vocab}, "
-        f"or, where the config makes the model's follow the data's as "
-        f"configs/ling3_tiny.py does, --config.data.vocab_size={data_vocab} "
-        f"(then config.json records {data_vocab} for both); "
-        f"configs/ling3_tiny.py:text_bytes (bytes) and :text (a BPE) set "
-        f"it for you.")
-  return run
 
 
 def make_init_fn(model: hk.Transformed, tx: optax.GradientTransformation,
@@ -108,14 +50,15 @@ def make_init_fn(model: hk.Transformed, tx: optax.GradientTransformation,
   return init
 
 
-def run_init_fn(cfg: RunConfig) -> Callable[..., TrainState]:
+def run_init_fn(cfg: config_lib.RunConfig) -> Callable[..., TrainState]:
   """`make_init_fn` of a run's model and optimizer (start it from
   `jax.random.PRNGKey(cfg.train.seed)`)."""
   tx, _ = optimizer.make_optimizer(cfg.opt, cfg.train.num_steps)
   return make_init_fn(model_lib.build(cfg.model), tx, cfg.data.seq_len)
 
 
-def abstract_state(cfg: RunConfig, mesh: jax.sharding.Mesh) -> TrainState:
+def abstract_state(cfg: config_lib.RunConfig, mesh: jax.sharding.Mesh
+                   ) -> TrainState:
   """The TrainState's shapes, with the shardings training gives them."""
   abstract = jax.eval_shape(run_init_fn(cfg),
                             jax.random.PRNGKey(cfg.train.seed))
@@ -213,7 +156,7 @@ def load_run(workdir: str) -> Run:
   hint = f"train first (python train.py --workdir={workdir})."
   if not os.path.isdir(directory) or not os.listdir(directory):
     raise FileNotFoundError(f"No checkpoint in {directory}: {hint}")
-  cfg = check_config(config)
+  cfg = config_lib.check_config(config)
   target = abstract_state(cfg, sharding.make_mesh(cfg.mesh))
   manager = manager_lib.CheckpointManager(directory, max_to_keep=None,
                                           async_save=False)

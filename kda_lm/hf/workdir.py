@@ -28,6 +28,7 @@ import ml_collections
 
 from data import pipeline
 from data import tokenizer as tokenizer_lib
+from kda_lm import config as config_lib
 from kda_lm import model as model_lib
 from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import state as state_lib
@@ -83,7 +84,7 @@ def import_checkpoint(hf_dir: str, workdir: str,
   os.makedirs(workdir, exist_ok=True)
   with workdir_lib.WorkdirLock(workdir):
     config = pipeline.resolve_config(config, workdir, None)
-    run = state_lib.check_config(config)
+    run = config_lib.check_config(config)
     mesh = sharding.make_mesh(run.mesh)
     _, params = convert.load_pretrained(hf_dir, dtype=dtype, mesh=mesh,
                                         scan_layers=scan_layers)

@@ -102,7 +102,7 @@ class Steps(NamedTuple):
   flops_per_token: float      # Analytic training FLOPs (`flops.step_flops`).
 
 
-def build_steps(cfg: state_lib.RunConfig, mesh: jax.sharding.Mesh) -> Steps:
+def build_steps(cfg: config_lib.RunConfig, mesh: jax.sharding.Mesh) -> Steps:
   """The model, optimizer, state shardings and the jitted steps."""
   model = model_lib.build(cfg.model, remat=cfg.train.remat)
   tx, schedule = optimizer.make_optimizer(cfg.opt, cfg.train.num_steps)
@@ -148,7 +148,7 @@ class _Output:
   """Where a run reports: `metrics.jsonl` (and TensorBoard) and the
   console progress, with wall-clock seconds since the start."""
 
-  def __init__(self, cfg: state_lib.RunConfig, workdir: str,
+  def __init__(self, cfg: config_lib.RunConfig, workdir: str,
                start_time: float, enabled: bool):
     self.start_time = start_time
     self.enabled = enabled
@@ -178,7 +178,7 @@ class _Output:
     self.writer.close()
 
 
-def _resume_check(cfg: state_lib.RunConfig, config_json: dict[str, Any],
+def _resume_check(cfg: config_lib.RunConfig, config_json: dict[str, Any],
                   changes: list[Any]):
   """`on_config` for `CheckpointManager.restore`: compares the checkpoint's
   config with this run's (`workdir.check_resume`), records the allowed
@@ -204,7 +204,7 @@ class _Run:
   manager) and the loop's named actions: evaluate, checkpoint."""
 
   def __init__(self, config: ml_collections.ConfigDict,
-               cfg: state_lib.RunConfig, workdir: str, start_time: float):
+               cfg: config_lib.RunConfig, workdir: str, start_time: float):
     self.cfg = cfg
     self.workdir = workdir
     # Plain JSON values: saved with every checkpoint, compared on resume.
@@ -441,7 +441,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
   start_time = time.time()
   # First: the config checks already touch the backend (impl="auto").
   distributed.initialize(config.get("mesh"))
-  state_lib.check_config(config)   # Bad configs fail before any file.
+  config_lib.check_config(config)   # Bad configs fail before any file.
   workdir = os.path.abspath(os.path.expanduser(workdir))
   _compilation_cache(config.train.get("compilation_cache", ""), workdir)
   lock = contextlib.nullcontext()
@@ -454,7 +454,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
     with distributed.main_process_first("kda_lm: tokenizer built"):
       config = pipeline.resolve_config(config, workdir,
                                        workdir_lib.read_config(workdir))
-    run_config = state_lib.check_config(config)
+    run_config = config_lib.check_config(config)
     run = _Run(config, run_config, workdir, start_time)
     try:
       with run.preemption:
