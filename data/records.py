@@ -507,18 +507,22 @@ def match_files(globs: str, key: str, skipped: Skipped | None
   if not patterns:
     raise ValueError(f"config.data.{key} is empty: give the corpus's files, "
                      f"e.g. --config.data.{key}='/corpus/*.jsonl'.")
-  out, seen = [], set()
+  matches = {}
   for pattern in patterns:
     pattern = os.path.abspath(os.path.expanduser(pattern))
-    paths = sorted(p for p in glob_lib.glob(pattern, recursive=True)
-                   if os.path.isfile(p))
+    matches[pattern] = sorted(p for p in glob_lib.glob(pattern,
+                                                       recursive=True)
+                              if os.path.isfile(p))
+  if not any(matches.values()):   # Skipping cannot help: nothing to read.
+    raise ValueError(f"config.data.{key}={globs!r} matches no file: check "
+                     f"the path{'s' if len(patterns) > 1 else ''}.")
+  out, seen = [], set()
+  for pattern, paths in matches.items():
     if not paths:
       bad("glob_matches_nothing", f"config.data.{key}",
           f"the glob {pattern!r} matches no file", skipped, once=True)
     out += [p for p in paths if p not in seen]
     seen.update(paths)
-  if not out:
-    raise ValueError(f"config.data.{key}={globs!r} matches no file.")
   return out
 
 
