@@ -20,10 +20,11 @@ packed row). It writes, per fixture, into `tests/testdata/hf/<name>/`:
                                    rounding, ~1e-6 relative, stays out of
                                    the reference)
 
-The `export_bytes_*` fixtures are kda-lm's own exports of models a run
-trained here has (byte vocabulary; `experiments/make_export_fixtures.py`
+The `export_*` fixtures are kda-lm's own exports of models a run trained
+here has (byte vocabulary, or a BPE's; `experiments/make_export_fixtures.py`
 writes their files first): here transformers only loads them, with its
-warnings shown, and records their logits.
+warnings shown, and records their logits, and `AutoTokenizer` loads their
+tokenizer and records the ids of `TOKENIZER_TEXT`.
 
 SwiGLU clamps: Ling 3.0's `config.json` carries `expert_swiglu_limit_list`
 and `share_expert_swiglu_limit_list` (per layer, 0 = none), which its
@@ -174,7 +175,11 @@ FIXTURES = {
     # model files; here transformers loads them and records the logits).
     "export_bytes_bailing_hybrid": ("bailing_hybrid", None, 5),
     "export_bytes_kimi_linear": ("kimi_linear", None, 6),
+    "export_bpe_bailing_hybrid": ("bailing_hybrid", None, 7),
 }
+# A text whose ids `AutoTokenizer` records for the exports with a
+# tokenizer (accents, a symbol, an emoji: bytes beyond ASCII).
+TOKENIZER_TEXT = "def héllo(wörld):\n    return ∑ 😀  # done\n"
 
 
 def randomize(model, gen):
@@ -227,6 +232,14 @@ def make(name, model_type, cfg, seed):
               f"{float(diff):.1%} (relative)")
     arrays[f"tokens_{i}"] = tokens
     arrays[f"logits_{i}"] = logits.float().numpy()
+  if os.path.exists(os.path.join(out, "tokenizer.json")):
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    ids = tok(TOKENIZER_TEXT)["input_ids"]
+    assert tok.decode(ids) == TOKENIZER_TEXT
+    print(f"  AutoTokenizer ({type(tok).__name__}): {len(ids)} ids")
+    arrays["tokenizer_ids"] = np.asarray(ids, np.int32)
+    arrays["tokenizer_text"] = np.frombuffer(TOKENIZER_TEXT.encode(),
+                                             np.uint8)
   np.savez_compressed(os.path.join(out, "golden.npz"), **arrays)
   with safetensors.safe_open(os.path.join(out, "model.safetensors"),
                              "np") as f:

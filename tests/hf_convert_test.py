@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from data import tokenizer as tokenizer_lib
 from kda_lm import config, hf, model, stack, testing
 from kda_lm.hf import formats, safetensors_io
 from kda_lm.parallel import sharding
@@ -30,7 +31,13 @@ FIXTURE_TYPES = {"bailing_hybrid": "bailing_hybrid",
                  "kimi_linear_bias": "kimi_linear",
                  "bailing_hybrid_clamp": "bailing_hybrid",
                  "export_bytes_bailing_hybrid": "bailing_hybrid",
-                 "export_bytes_kimi_linear": "kimi_linear"}
+                 "export_bytes_kimi_linear": "kimi_linear",
+                 "export_bpe_bailing_hybrid": "bailing_hybrid"}
+# kda-lm's exports carry the run's tokenizer, which transformers'
+# AutoTokenizer loaded and encoded a text with.
+EXPORTS_WITH_TOKENIZERS = ("export_bytes_bailing_hybrid",
+                           "export_bytes_kimi_linear",
+                           "export_bpe_bailing_hybrid")
 GAP = 3   # Padding tokens between documents in the padded row.
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
@@ -86,6 +93,22 @@ def test_import_gives_hf_logits_in_a_packed_row(name):
       got = logits[row, starts[row][i]:starts[row][i] + len(d)]
       err = testing.rel_err(got, want[i])
       assert err < 1e-5, (name, row, i, err)
+
+
+@pytest.mark.parametrize("name", EXPORTS_WITH_TOKENIZERS)
+def test_exported_tokenizer_gives_autotokenizers_ids(name):
+  """transformers' AutoTokenizer loaded the exported tokenizer and gave the
+  ids kda-lm's own codec gives (for bytes: the text's UTF-8 bytes)."""
+  g = np.load(os.path.join(fixture(name), "golden.npz"))
+  text = bytes(g["tokenizer_text"]).decode()
+  codec = tokenizer_lib.TextCodec(
+      os.path.join(fixture(name), "tokenizer.json"))
+  assert codec.encode(text) == g["tokenizer_ids"].tolist()
+  if "bytes" in name:
+    assert g["tokenizer_ids"].tolist() == list(text.encode())
+  else:
+    assert len(g["tokenizer_ids"]) < len(text.encode())
+  assert max(g["tokenizer_ids"]) < fixture_config(name)["vocab_size"]
 
 
 def header(path):

@@ -135,7 +135,7 @@ def test_export_writes_the_runs_tokenizer(tmp_path, kind):
       json.dump({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>"}, f)
   else:
     run = _text_run(tmp_path, tokenizer=kind, bpe_vocab_size=300)
-  hf_workdir._export_tokenizer(run, str(out))  # pylint: disable=protected-access
+  hf_workdir.write_tokenizer(state_lib.run_tokenizer(run), str(out))
   written = out / "tokenizer.json"
   if kind == "token_ids":
     assert not os.listdir(out)

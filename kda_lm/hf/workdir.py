@@ -121,18 +121,21 @@ _TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast",
                      "clean_up_tokenization_spaces": False}
 
 
-def _export_tokenizer(run: state_lib.Run, hf_dir: str) -> None:
-  """Writes the run's tokenizer beside an export: an imported checkpoint's
-  files as they came, the run's BPE or released tokenizer, or a byte-level
-  `tokenizer.json` whose id b is byte b; none for token-id runs."""
-  tok = state_lib.run_tokenizer(run)
-  target = os.path.join(hf_dir, state_lib.HF_TOKENIZER_FILES[0])
+def write_tokenizer(tok: Optional[state_lib.RunTokenizer], hf_dir: str
+                    ) -> None:
+  """Writes a run's tokenizer (`state.run_tokenizer`) beside an export: an
+  imported checkpoint's files as they came (all of them from the folder
+  of its `tokenizer.json`), the run's BPE or released tokenizer, or a
+  byte-level `tokenizer.json` whose id b is byte b; nothing for token-id
+  runs (None). Adds a `tokenizer_config.json` where none came, so that
+  `transformers.AutoTokenizer` loads the folder."""
   if tok is None:
-    logging.info("The run is on token ids (%s): no tokenizer exported.",
-                 run.config.data.name)
+    logging.info("The run is on token ids: no tokenizer exported.")
     return
-  if os.path.dirname(tok.path) == run.workdir:
-    _copy_tokenizer(run.workdir, hf_dir)
+  target = os.path.join(hf_dir, state_lib.HF_TOKENIZER_FILES[0])
+  if tok.released and os.path.basename(tok.path) == (
+      state_lib.HF_TOKENIZER_FILES[0]):
+    _copy_tokenizer(os.path.dirname(tok.path), hf_dir)
   elif tok.path:
     shutil.copyfile(tok.path, target)
   else:
@@ -166,6 +169,6 @@ def export_checkpoint(workdir: str, hf_dir: str, *,
   convert.save_pretrained(run.config.model, run.params, hf_dir,
                           max_shard_size=max_shard_size,
                           model_type=model_type, source_config=source)
-  _export_tokenizer(run, hf_dir)
+  write_tokenizer(state_lib.run_tokenizer(run), hf_dir)
   logging.info("Exported %s (step %d) to %s.", run.workdir, run.step, hf_dir)
   return run
