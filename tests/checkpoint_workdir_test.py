@@ -74,6 +74,8 @@ def test_exception_inside_the_locked_region_releases_the_lock(tmp_path,
       with pytest.raises(workdir.WorkdirLockedError):
         workdir.WorkdirLock(str(tmp_path)).acquire()
       raise Crash("the training step failed")
+  # Released: no lock file is left behind.
+  assert not os.path.exists(tmp_path / workdir.LOCK_FILE)
   with caplog.at_level(logging.WARNING):
     second = workdir.WorkdirLock(str(tmp_path)).acquire()
   try:
@@ -155,3 +157,31 @@ def test_keys_added_since_the_checkpoint_are_no_change_at_their_defaults():
   with pytest.raises(workdir.ConfigChangedError, match="swiglu"):
     workdir.check_resume(saved, given, step=3, allow_change=False,
                          defaults=defaults)
+
+
+def test_a_lock_taken_on_a_deleted_file_is_taken_again(tmp_path,
+                                                       monkeypatch):
+  """A releasing holder deletes its file while it still holds it. A
+  trainer that opened the file just before locks the deleted file: it must
+  notice and lock the file now at the path, else a third trainer could
+  hold the workdir at the same time."""
+  opened = []
+  real_open = os.open
+
+  def open_then_lose_the_race(path, *args):
+    fd = real_open(path, *args)
+    if not opened:            # The holder deletes it right after.
+      os.unlink(path)
+    opened.append(fd)
+    return fd
+
+  monkeypatch.setattr(os, "open", open_then_lose_the_race)
+  lock = workdir.WorkdirLock(str(tmp_path)).acquire()
+  monkeypatch.undo()
+  try:
+    assert len(opened) == 2   # The deleted file's lock was dropped.
+    assert os.stat(lock.path).st_ino == os.fstat(opened[1]).st_ino
+    with pytest.raises(workdir.WorkdirLockedError):
+      workdir.WorkdirLock(str(tmp_path)).acquire()
+  finally:
+    lock.release()

@@ -8,7 +8,8 @@ owns the rules that keep that record true:
 * `WorkdirLock`: a second trainer on a workdir held by a live process is
   refused at once, naming the holder (PID, host, start time). The lock is an
   OS file lock (`fcntl.flock`) on `<workdir>/lock`, so it dies with its
-  process; a lock file left by a process that died is taken over with a
+  process; a clean exit (or an error) deletes the file, and a lock file
+  left by a process that died is taken over with a
   warning that names that process.
 * `meaning_changes`: on resume, the config keys that change what the saved
   state means (the model's shape, the data set and its stream) are compared
@@ -109,16 +110,7 @@ class WorkdirLock:
         its PID, host and start time.
     """
     os.makedirs(os.path.dirname(self.path), exist_ok=True)
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      holder = _read_holder(fd) or {}
-      os.close(fd)
-      raise WorkdirLockedError(
-          f"The workdir {os.path.dirname(self.path)} is in use by "
-          f"{_describe(holder)} (lock file {self.path}). Wait for it to "
-          "finish or stop it, or use another --workdir.") from None
+    fd = self._locked_fd()
     stale = _read_holder(fd)
     if stale is not None:
       logging.warning(
@@ -131,11 +123,38 @@ class WorkdirLock:
     self._fd = fd
     return self
 
+  def _locked_fd(self) -> int:
+    """An open, exclusively locked descriptor of the lock file that is the
+    one at `path` (a releasing holder deletes its file while it still
+    holds it: a lock taken on that deleted file is dropped and taken
+    again on the new one)."""
+    while True:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        holder = _read_holder(fd) or {}
+        os.close(fd)
+        raise WorkdirLockedError(
+            f"The workdir {os.path.dirname(self.path)} is in use by "
+            f"{_describe(holder)} (lock file {self.path}). Wait for it to "
+            "finish or stop it, or use another --workdir.") from None
+      try:
+        if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+          return fd
+      except FileNotFoundError:
+        pass
+      os.close(fd)
+
   def release(self) -> None:
-    """Empties the lock file (a clean exit) and unlocks it."""
+    """Deletes the lock file (a clean exit leaves none) and unlocks it."""
     if self._fd is None:
       return
     os.ftruncate(self._fd, 0)
+    try:
+      os.unlink(self.path)
+    except FileNotFoundError:
+      pass
     fcntl.flock(self._fd, fcntl.LOCK_UN)
     os.close(self._fd)
     self._fd = None
