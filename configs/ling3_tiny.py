@@ -136,9 +136,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.data.piece_shuffle_buffer = 1024
     if "text" in variants:
       # 4096 BPE tokens (~3.4 bytes each on Python source); see the README.
+      # The vocabulary, in one place: data.vocab_size (and through it the
+      # model's) follows bpe_vocab_size.
       config.data.tokenizer = "bpe"
       config.data.bpe_vocab_size = 4096
-      config.model.vocab_size = config.data.get_ref("bpe_vocab_size")
+      config.data.vocab_size = config.data.get_ref("bpe_vocab_size")
     else:
       # Byte values (via the shared reference; unused by text_files).
       config.data.vocab_size = 256

@@ -166,6 +166,16 @@ def keys() -> list[str]:
   return out
 
 
+def dataset_keys(name: str) -> set[str]:
+  """The keys of `config.data` that a run on the dataset `name` reads (the
+  pipeline's and the dataset's own; the others are another dataset's).
+  Every key for a name that is not a dataset's (say None: not recorded)."""
+  if name not in DATASETS:
+    return set(keys())
+  return set(sections.field_names(DataConfig)) | set(
+      sections.field_names(DATASETS[name]))
+
+
 def default_config() -> ml_collections.ConfigDict:
   """Returns the default `config.data` (every key of every dataset)."""
   config = sections.config_dict(DataConfig)

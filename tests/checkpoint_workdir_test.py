@@ -185,3 +185,23 @@ def test_a_lock_taken_on_a_deleted_file_is_taken_again(tmp_path,
       workdir.WorkdirLock(str(tmp_path)).acquire()
   finally:
     lock.release()
+
+
+def test_another_datasets_key_is_no_change_of_meaning():
+  """`data.vocab_size` is the delayed-copy task's: on a text_files run it
+  means nothing, so a run recorded with another value resumes (the
+  `:text` variant now records its BPE size there); on a delayed-copy run
+  it is the data, and a change is refused."""
+  saved = {"data": {"name": "text_files", "vocab_size": 32,
+                    "bpe_vocab_size": 4096}}
+  given = {"data": {"name": "text_files", "vocab_size": 4096,
+                    "bpe_vocab_size": 4096}}
+  meaning, safe = workdir.config_changes(saved, given)
+  assert not meaning and [c.key for c in safe] == ["data.vocab_size"]
+  given["data"]["bpe_vocab_size"] = 512
+  meaning, _ = workdir.config_changes(saved, given)
+  assert [c.key for c in meaning] == ["data.bpe_vocab_size"]
+  copy = {"data": {"name": "delayed_copy", "vocab_size": 32}}
+  meaning, _ = workdir.config_changes(
+      copy, {"data": {"name": "delayed_copy", "vocab_size": 64}})
+  assert [c.key for c in meaning] == ["data.vocab_size"]

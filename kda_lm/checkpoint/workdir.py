@@ -27,6 +27,7 @@ from typing import Any, Iterable, Mapping
 
 from absl import logging
 
+from data import pipeline
 from kda_lm import config as config_lib
 
 LOCK_FILE = "lock"
@@ -222,7 +223,8 @@ def config_changes(saved: Mapping[str, Any], given: Mapping[str, Any],
 
   Returns:
     `(meaning, safe)`: changes of keys that change what the saved state means
-    (model shape, data set, data stream), and all other changes.
+    (model shape, data set, data stream: the keys of config.data that
+    either run's dataset reads), and all other changes.
   """
   old, new = flatten(saved), flatten(given)
   defaults = defaults or {}
@@ -231,8 +233,14 @@ def config_changes(saved: Mapping[str, Any], given: Mapping[str, Any],
   changes = [Change(k, old.get(k), new.get(k))
              for k in sorted((set(old) | set(new)) - added)
              if old.get(k) != new.get(k)]
-  meaning = [c for c in changes if _is_meaning_key(c.key)]
-  safe = [c for c in changes if not _is_meaning_key(c.key)]
+  # A key of config.data that neither run's dataset reads (another
+  # dataset's setting) changes nothing it means.
+  read = {f"data.{k}" for k in pipeline.dataset_keys(old.get("data.name"))
+          | pipeline.dataset_keys(new.get("data.name"))}
+  means = lambda c: _is_meaning_key(c.key) and not (
+      c.key.startswith("data.") and c.key not in read)
+  meaning = [c for c in changes if means(c)]
+  safe = [c for c in changes if not means(c)]
   return meaning, safe
 
 
