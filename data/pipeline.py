@@ -21,14 +21,9 @@ int32 `inputs`, `targets`, `segment_ids` (1..n per document piece in a row,
 
 `config.data` is one flat section: the fields of `DataConfig` (dataset
 `name`, `data_dir`, `seq_len`, global `batch_size`, shuffle `seed`,
-`reset_at_document_boundaries`, `shuffle_buffer`, `piece_shuffle_buffer`,
-`pack_window_rows`) and those of every dataset's `Settings`
-(`data/delayed_copy.py`: `vocab_size`, `delay`, `min_len`, `max_len`,
-`num_train_docs`, `num_eval_docs`, `dataset_seed`; `data/text_files.py`:
-`glob`, `validation_percent`, `tokenizer`, `bpe_vocab_size`,
-`tokenizer_seed`, `tokenizer_path`, `tokenizer_sha256`; `jsonl`, `parquet`,
-`tfds` (`data/records.py`): `tokenizer` ("bytes"/"hf:PATH"), `text_field`,
-`skip_bad_records`, `files`, `validation_files`, `tfds_*`).
+`reset_at_document_boundaries`, the buffers) and those of every dataset's
+`Settings` (`delayed_copy`, `text_files`, and `records.Settings` for
+`jsonl`, `parquet`, `tfds`; `dataset_keys` gives one dataset's keys).
 `DataConfig.from_config` reads it once, validated; a new dataset is a module
 with a `Settings` class (and its `resolve(data_dir)`, which builds and
 identifies what the dataset needs besides TFDS, such as a tokenizer) and an
@@ -167,9 +162,8 @@ def keys() -> list[str]:
 
 
 def dataset_keys(name: str) -> set[str]:
-  """The keys of `config.data` that a run on the dataset `name` reads (the
-  pipeline's and the dataset's own; the others are another dataset's).
-  Every key for a name that is not a dataset's (say None: not recorded)."""
+  """The keys of `config.data` a run on the dataset `name` reads (the
+  pipeline's and the dataset's own); every key for an unknown name."""
   if name not in DATASETS:
     return set(keys())
   return set(sections.field_names(DataConfig)) | set(
