@@ -179,11 +179,9 @@ def compile_step(m, mesh_config, devs, B, T, platform, remat="none",
   model = model_lib.build(m, remat=remat)
   opt = ling3.get_config().opt
   tx, schedule = optimizer.make_optimizer(opt, 100)
-  init = state_lib.make_init_fn(model, tx, T)
   with backend(platform):
-    abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
-  shardings = state_lib.state_shardings(abstract, mesh)
-  state = sharding.with_shardings(abstract, shardings)
+    layout = state_lib.state_layout(model, tx, T, mesh)
+  state, shardings = layout.abstract, layout.shardings
   rows = sharding.batch_sharding(mesh)
   tok = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=rows)
   batch = dict(inputs=tok, targets=tok, segment_ids=tok, positions=tok,
@@ -208,9 +206,8 @@ def state_and_grads_gib(m, mesh_config, devs):
   mesh = sharding.make_mesh(mesh_config, list(devs))
   model = model_lib.build(m)
   tx, _ = optimizer.make_optimizer(ling3.get_config().opt, 100)
-  abstract = jax.eval_shape(state_lib.make_init_fn(model, tx, 1),
-                            jax.random.PRNGKey(0))
-  shardings = state_lib.state_shardings(abstract, mesh)
+  layout = state_lib.state_layout(model, tx, 1, mesh)
+  abstract, shardings = layout.abstract, layout.shardings
 
   def gib(tree, tree_shardings):
     return sum(int(np.prod(s.shard_shape(a.shape))) * a.dtype.itemsize

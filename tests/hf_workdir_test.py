@@ -65,9 +65,10 @@ def test_import_train_export_import(tmp_path):
   state = manager.restore(state_lib.abstract_state(
       cfg, sharding.make_mesh(cfg.mesh)))
   manager.close()
-  fresh = state_lib.run_init_fn(cfg)(jax.random.PRNGKey(cfg.train.seed))
+  init = state_lib.run_state_layout(cfg, sharding.make_mesh(cfg.mesh)).init
+  fresh = init(jax.random.PRNGKey(cfg.train.seed))
   np.testing.assert_array_equal(state.rng, fresh.rng)
-  assert_same_tree(state.opt_state, jax.jit(state_lib.run_init_fn(cfg))(
+  assert_same_tree(state.opt_state, jax.jit(init)(
       jax.random.PRNGKey(cfg.train.seed), imported).opt_state,
                    "step-0 optimizer state")
   # Fine-tuning resumes the imported run (configs/ling3.py:imported=W).

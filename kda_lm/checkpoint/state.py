@@ -50,19 +50,44 @@ def make_init_fn(model: hk.Transformed, tx: optax.GradientTransformation,
   return init
 
 
-def run_init_fn(cfg: config_lib.RunConfig) -> Callable[..., TrainState]:
-  """`make_init_fn` of a run's model and optimizer (start it from
+class StateLayout(NamedTuple):
+  """A run's TrainState: how it starts and where it lives (`state_layout`).
+
+  Attributes:
+    init: `make_init_fn`'s `init(rng, params=None)`, not jitted.
+    abstract: the state's shapes and dtypes, with `shardings` set.
+    shardings: the state's shardings on the mesh (`state_shardings`).
+  """
+  init: Callable[..., TrainState]
+  abstract: TrainState
+  shardings: Any
+
+
+def state_layout(model: hk.Transformed, tx: optax.GradientTransformation,
+                 seq_len: int, mesh: jax.sharding.Mesh) -> StateLayout:
+  """The one builder of a TrainState, its shapes and its shardings: used
+  by training, loading a run, the Hugging Face import and the compile
+  checks alike."""
+  init = make_init_fn(model, tx, seq_len)
+  abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
+  shardings = state_shardings(abstract, mesh)
+  return StateLayout(init, sharding.with_shardings(abstract, shardings),
+                     shardings)
+
+
+def run_state_layout(cfg: config_lib.RunConfig, mesh: jax.sharding.Mesh
+                     ) -> StateLayout:
+  """`state_layout` of a run's model and optimizer (start its `init` from
   `jax.random.PRNGKey(cfg.train.seed)`)."""
   tx, _ = optimizer.make_optimizer(cfg.opt, cfg.train.num_steps)
-  return make_init_fn(model_lib.build(cfg.model), tx, cfg.data.seq_len)
+  return state_layout(model_lib.build(cfg.model), tx, cfg.data.seq_len,
+                      mesh)
 
 
 def abstract_state(cfg: config_lib.RunConfig, mesh: jax.sharding.Mesh
                    ) -> TrainState:
   """The TrainState's shapes, with the shardings training gives them."""
-  abstract = jax.eval_shape(run_init_fn(cfg),
-                            jax.random.PRNGKey(cfg.train.seed))
-  return sharding.with_shardings(abstract, state_shardings(abstract, mesh))
+  return run_state_layout(cfg, mesh).abstract
 
 
 def state_shardings(abstract: Any, mesh: jax.sharding.Mesh) -> Any:

@@ -42,12 +42,11 @@ SOURCE_CONFIG = "hf_source_config.json"
 
 
 def _initial_state(run, params, mesh) -> state_lib.TrainState:
-  """Step 0 as a fresh run starts it (`state.make_init_fn`), with the
+  """Step 0 as a fresh run starts it (`state.run_state_layout`), with the
   imported parameters."""
-  abstract = state_lib.abstract_state(run, mesh)
-  return jax.jit(state_lib.run_init_fn(run), out_shardings=jax.tree.map(
-      lambda a: a.sharding, abstract))(
-          jax.random.PRNGKey(run.train.seed), params)
+  layout = state_lib.run_state_layout(run, mesh)
+  return jax.jit(layout.init, out_shardings=layout.shardings)(
+      jax.random.PRNGKey(run.train.seed), params)
 
 
 def import_checkpoint(hf_dir: str, workdir: str,

@@ -106,10 +106,9 @@ def build_steps(cfg: config_lib.RunConfig, mesh: jax.sharding.Mesh) -> Steps:
   """The model, optimizer, state shardings and the jitted steps."""
   model = model_lib.build(cfg.model, remat=cfg.train.remat)
   tx, schedule = optimizer.make_optimizer(cfg.opt, cfg.train.num_steps)
-  init = state_lib.make_init_fn(model, tx, cfg.data.seq_len)
+  layout = state_lib.state_layout(model, tx, cfg.data.seq_len, mesh)
   rng = jax.random.PRNGKey(cfg.train.seed)
-  abstract = jax.eval_shape(init, rng)
-  shardings = state_lib.state_shardings(abstract, mesh)
+  abstract, shardings = layout.abstract, layout.shardings
   num_params = sum(int(np.prod(a.shape))
                    for a in jax.tree.leaves(abstract.params))
   T = cfg.data.seq_len
@@ -124,7 +123,7 @@ def build_steps(cfg: config_lib.RunConfig, mesh: jax.sharding.Mesh) -> Steps:
   # with the single-device layers (a [1,T] row cannot be split over
   # several data devices).
   return Steps(
-      init=jax.jit(init, out_shardings=shardings),
+      init=jax.jit(layout.init, out_shardings=shardings),
       update=on_mesh(jax.jit(
           step_lib.make_update_fn(model, tx, schedule, cfg.model,
                                   cfg.train.grad_accum_steps,
@@ -139,7 +138,7 @@ def build_steps(cfg: config_lib.RunConfig, mesh: jax.sharding.Mesh) -> Steps:
               chunks=cfg.train.loss_chunks),
           in_shardings=(shardings.params, batch_sharding),
           out_shardings=replicated)),
-      abstract=sharding.with_shardings(abstract, shardings),
+      abstract=abstract,
       batch_sharding=batch_sharding, rng=rng,
       flops_per_token=flops_per_token)
 
