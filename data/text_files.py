@@ -176,6 +176,16 @@ def check_hf(path: str, sha256: str) -> str:
     TokenizerChangedError: the file's SHA-256 is not `sha256` (if given).
   """
   tokenizer_lib.load_hf(path)
+  return _checked_sha256(path, sha256)
+
+
+def _checked_sha256(path: str, sha256: str) -> str:
+  """The file's SHA-256, which must be `sha256` if given (the one check of
+  a tokenizer file's identity).
+
+  Raises:
+    TokenizerChangedError: another checksum.
+  """
   digest = tokenizer_lib.sha256(path)
   if sha256 and digest != sha256:
     raise TokenizerChangedError(
@@ -197,13 +207,7 @@ def check_bpe(path: str, sha256: str, vocab_size: int) -> str:
     ValueError: not a byte-level tokenizer, or more than `vocab_size` ids.
   """
   tok = tokenizer_lib.load(path)
-  digest = tokenizer_lib.sha256(path)
-  if sha256 and digest != sha256:
-    raise TokenizerChangedError(
-        f"The tokenizer {path} has SHA-256 {digest}, but the config "
-        f"records {sha256} (config.data.tokenizer_sha256): the file changed "
-        "since the run started. Restore it, or start a new run (another "
-        "--workdir).")
+  digest = _checked_sha256(path, sha256)
   if tok.get_vocab_size() > vocab_size:
     raise ValueError(
         f"The tokenizer {path} has {tok.get_vocab_size()} tokens, more than "
