@@ -610,3 +610,28 @@ def test_manifest_is_hashed_off_the_callers_thread(tmp_path, monkeypatch):
   assert threads and all(t.startswith("kda_lm_manifest") for t in threads)
   assert manifest.verify_manifest(str(step1))
   assert manifest.verify_manifest(str(tmp_path / "ckpt" / "2"))
+
+
+def test_the_space_check_skips_a_file_renamed_while_it_walks(
+    tmp_path, monkeypatch):
+  """The previous step's manifest is written in the background beside the
+  next save's space check: its temporary file may vanish mid-walk."""
+  directory = str(tmp_path / "ckpt")
+  manager = manager_lib.CheckpointManager(directory)
+  manager.save(1, make_state(step=1))
+  manager.wait_until_finished()
+  vanishing = os.path.join(directory, "1", "manifest.json.tmp")
+  with open(vanishing, "w") as f:
+    f.write("{}")
+  getsize = os.path.getsize
+
+  def renamed_meanwhile(path):
+    if path == vanishing:
+      raise FileNotFoundError(path)
+    return getsize(path)
+
+  monkeypatch.setattr(os.path, "getsize", renamed_meanwhile)
+  manager._warn_if_short_of_space(2)  # pylint: disable=protected-access
+  monkeypatch.undo()
+  os.remove(vanishing)
+  manager.close()

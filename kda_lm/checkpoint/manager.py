@@ -88,6 +88,20 @@ def _root_cause(error: BaseException) -> BaseException:
   return found
 
 
+def _tree_bytes(path: str) -> int:
+  """The bytes of the files under `path`. Files that vanish while it is
+  walked (the manifest's temporary file, written beside it in the
+  background, is renamed) are skipped."""
+  total = 0
+  for root, _, names in os.walk(path):
+    for name in names:
+      try:
+        total += os.path.getsize(os.path.join(root, name))
+      except OSError:
+        pass
+  return total
+
+
 def _write_manifest(step_dir: str) -> None:
   """`manifest.write_manifest`, unless the step was deleted meanwhile (an
   older step past `max_to_keep`)."""
@@ -242,10 +256,7 @@ class CheckpointManager:
         f"{self.directory} is intact (steps {steps}){resume}.")
 
   def _step_bytes(self, step: int) -> int:
-    return sum(os.path.getsize(os.path.join(root, name))
-               for root, _, names in os.walk(
-                   os.path.join(self.directory, str(step)))
-               for name in names)
+    return _tree_bytes(os.path.join(self.directory, str(step)))
 
   def _fail(self, step: int | None, error: BaseException
             ) -> CheckpointSaveError:
@@ -269,15 +280,7 @@ class CheckpointManager:
     """Waits until the partial directories stop changing (bounded), then
     removes them (process 0)."""
     def size():
-      total = 0
-      for path in self._partial_dirs():
-        for root, _, names in os.walk(path):
-          for name in names:
-            try:
-              total += os.path.getsize(os.path.join(root, name))
-            except OSError:
-              pass
-      return total
+      return sum(_tree_bytes(path) for path in self._partial_dirs())
 
     deadline = time.time() + _SETTLE_MAX_S
     last = size()
