@@ -1,9 +1,12 @@
 """What XLA and ptxas report about compiled GPU kernels, and the limits the
 compile check (experiments/compile_check.py) enforces; the bytes of the
 collectives in a compiled step's HLO text (experiments/compile_mesh.py).
-Pure text parsing, no JAX: tested in tests/compile_report_test.py."""
+Pure text parsing (`kda_lm.ops.gmm` gives only its name-scope format):
+tested in tests/compile_report_test.py."""
 
 import re
+
+from kda_lm.ops import gmm
 
 
 def parse_ptxas(log):
@@ -57,6 +60,9 @@ COLLECTIVES = ("all-gather", "all-to-all", "ragged-all-to-all", "all-reduce",
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2,
                "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
                "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_ROWS = re.compile(
+    r"\b" + gmm.ROWS_SCOPE.format(r"(\d+)", r"(\d+)") + r"\b")
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _INSTRUCTION = re.compile(
     r"=\s*(\([^=]*?\)|\S+)\s+(" + "|".join(
@@ -78,7 +84,10 @@ def collective_ops(hlo_text):
   gathered array, an all-to-all's received buffer, a reduce-scatter's
   piece). Asynchronous pairs count once, at their `-done` (whose result
   is the output); a `-start` is skipped. A collective inside a loop body
-  counts once, not once per iteration.
+  counts once, not once per iteration. A ragged all-to-all moves only the
+  rows it is told to: one whose name scope states that R of its result's
+  M rows arrive (`kda_lm.ops.gmm.ROWS_SCOPE`, the expert exchange's mean
+  fill) counts R/M of its result.
   """
   out = []
   for line in hlo_text.splitlines():
@@ -89,8 +98,20 @@ def collective_ops(hlo_text):
       size = DTYPE_BYTES[dt]
       for d in dims:
         size *= d
+      if m.group(2) == "ragged-all-to-all":
+        size = size * _arriving_rows(line, dims) // dims[0]
       out.append((m.group(2), dt, dims, size))
   return out
+
+
+def _arriving_rows(line, dims):
+  """The rows of a ragged all-to-all's result that arrive: R where its
+  name scope states R of dims[0], else all of them."""
+  op_name = _OP_NAME.search(line)
+  rows = _ROWS.findall(op_name.group(1)) if op_name else []
+  if rows and int(rows[-1][1]) == dims[0]:
+    return int(rows[-1][0])
+  return dims[0]
 
 
 def collective_bytes(hlo_text, select=None):

@@ -13,7 +13,11 @@ FLOPs, and the deviceless GPU compile reports none at all. This module reads
   contracting dimensions of its backend config;
 - a Pallas TPU kernel (Mosaic custom call) that carries a cost estimate:
   the estimate's `flops` (the KDA kernels carry none and count 0, as in
-  XLA's own cost analysis);
+  XLA's own cost analysis); a megablox grouped matmul whose name scope
+  states that its groups cover R of its M rows (`kda_lm.ops.gmm.ROWS_SCOPE`:
+  an expert-parallel exchange buffer, sized for the worst case and on
+  average M*A rows full) R/M of it, since its grid visits only the tiles
+  that hold rows;
 
 recursing into fusions and called computations, a conditional's costliest
 branch, and a while loop's body times its trip count: XLA's
@@ -65,6 +69,7 @@ _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 # The scope may be wrapped by a transformation's name: `jvp(<scope>)/`.
 _MAX_TRIPS = re.compile(r"\b" + gmm.MAX_TRIPS_SCOPE.format(r"(\d+)") + r"\b")
+_ROWS = re.compile(r"\b" + gmm.ROWS_SCOPE.format(r"(\d+)", r"(\d+)") + r"\b")
 
 
 def _dims(shape_text):
@@ -129,14 +134,23 @@ def _convolution(out, lhs, rhs, rest):
 
 
 def _custom_call(out, operands, rest, shapes):
-  """FLOPs of a cuBLAS GEMM or a costed Pallas kernel; 0 otherwise."""
+  """FLOPs of a cuBLAS GEMM or a costed Pallas kernel; 0 otherwise. A
+  grouped matmul whose name scope states the rows its groups cover
+  (`gmm.ROWS_SCOPE`) counts its estimate for those rows only."""
   if '"__cublas$gemm"' in rest or '"__cublas$lt$matmul' in rest:
     numbers = re.search(r'"dot_dimension_numbers":(\{[^}]*\})', rest)
     contracting = [int(d) for d in json.loads(numbers.group(1))[
         "lhs_contracting_dimensions"]]
     return _dot(out, shapes[operands[0]], contracting)
   flops = re.search(r'"cost_estimate":\{[^}]*"flops":"?(\d+)', rest)
-  return int(flops.group(1)) if flops else 0
+  if not flops:
+    return 0
+  op_name = _OP_NAME.search(rest)
+  rows = _ROWS.findall(op_name.group(1)) if op_name else []
+  if rows:
+    covered, total = map(int, rows[-1])
+    return int(flops.group(1)) * covered // total
+  return int(flops.group(1))
 
 
 class _Module(NamedTuple):

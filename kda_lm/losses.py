@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from kda_lm.layers import mtp
+from kda_lm.parallel import context as context_parallel
 
 Batch = Mapping[str, jax.Array]
 
@@ -76,24 +77,20 @@ def _check_chunks(T, chunks):
                      f"divides the row length {T}, got {chunks!r}.")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _head_sums(y_BTD, w_DW, targets, mask, chunks):
-  """[loss sum, correct sum] of `y @ w` one piece (`_pieces`) at a time.
-
-  Its gradient is computed in the same pass as the loss (`_head_sums_fwd`):
-  each piece's logits are made once and never stored, and the backward
-  pass only scales the gradients by the loss's cotangent.
-  """
+def _local_sums(y_BTD, targets, mask, w_DW, *, chunks):
+  """(([loss sum, correct sum],), no per-token output) of `y @ w`, one
+  piece (`_pieces`) at a time."""
   def piece(total, xs):
     return total + _piece_sums(xs[0], w_DW, xs[1], xs[2])[0], None
 
   sums, _ = jax.lax.scan(piece, jnp.zeros(2, jnp.float32),
                          (_pieces(y_BTD, chunks), _pieces(targets, chunks),
                           _pieces(mask, chunks)))
-  return sums
+  return (sums,), ()
 
 
-def _head_sums_fwd(y_BTD, w_DW, targets, mask, chunks):
+def _local_grads(y_BTD, targets, mask, w_DW, *, chunks):
+  """((sums, the loss sum's gradient wrt w), its gradient wrt y)."""
   def piece(carry, xs):
     total, dw = carry
     sums, dy, dw_piece = _piece_grads(xs[0], w_DW, xs[1], xs[2])
@@ -106,7 +103,29 @@ def _head_sums_fwd(y_BTD, w_DW, targets, mask, chunks):
   (sums, dw), dy = jax.lax.scan(
       piece, init, (_pieces(y_BTD, chunks), _pieces(targets, chunks),
                     _pieces(mask, chunks)))
-  return sums, (_unpieces(dy), dw)
+  return (sums, dw), _unpieces(dy)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _head_sums(y_BTD, w_DW, targets, mask, chunks):
+  """[loss sum, correct sum] of `y @ w` one piece (`_pieces`) at a time,
+  each device on its own rows (`context_parallel.row_sum_map`).
+
+  Its gradient is computed in the same pass as the loss (`_head_sums_fwd`):
+  each piece's logits are made once and never stored, and the backward
+  pass only scales the gradients by the loss's cotangent.
+  """
+  (sums,), _ = context_parallel.row_sum_map(
+      functools.partial(_local_sums, chunks=chunks),
+      (y_BTD, targets, mask), (w_DW,))
+  return sums
+
+
+def _head_sums_fwd(y_BTD, w_DW, targets, mask, chunks):
+  (sums, dw), dy = context_parallel.row_sum_map(
+      functools.partial(_local_grads, chunks=chunks),
+      (y_BTD, targets, mask), (w_DW,))
+  return sums, (dy, dw)
 
 
 def _head_sums_bwd(chunks, residuals, g):

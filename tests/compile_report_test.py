@@ -5,6 +5,7 @@ XLA's ptxas step (TF_CPP_VMODULE=subprocess_compilation=2) and its thunk
 sequence dump print."""
 
 from experiments import compile_report
+from kda_lm.ops import gmm
 
 PTXAS_LOG = """\
 I1202 subprocess_compilation.cc:349] ptxas warning : Registers are spilled
@@ -85,3 +86,19 @@ def test_collective_ops_and_bytes():
       COLLECTIVES, lambda kind, dt, dims: dims == (512, 2560, 768))
   assert experts == {"all-gather": 512 * 2560 * 768 * 2}
   assert compile_report.collective_bytes("no collectives") == {}
+
+
+def test_a_ragged_exchange_counts_the_rows_that_arrive():
+  """A ragged all-to-all moves only its real rows: where its name scope
+  states R of its result's M rows (the expert exchange's mean fill), R/M
+  of the result counts; without the scope, or for another row count, the
+  whole result."""
+  line = ('  %r = bf16[1024,64]{1,0} ragged-all-to-all(%a, %b, %c, %d, %e, '
+          '%f), replica_groups={{0,1}}, metadata={op_name="jit(u)/'
+          'transpose(jvp(moe))/SCOPE/x"}')
+  full = 1024 * 64 * 2
+  for scope, want in ((gmm.ROWS_SCOPE.format(256, 1024), full // 4),
+                      (gmm.ROWS_SCOPE.format(256, 2048), full),
+                      ("moe", full)):
+    assert compile_report.collective_ops(line.replace("SCOPE", scope)) == [
+        ("ragged-all-to-all", "bf16", (1024, 64), want)]

@@ -121,3 +121,19 @@ def test_the_tpu_compilers_forms():
   kernel = 3221225472
   matmul = 2 * 256 * 2048 * 1536
   assert flops == (loop + batched + kernel + matmul, matmul)
+
+
+def test_a_grouped_matmul_counts_the_rows_its_groups_cover():
+  """A megablox call's cost estimate counts all its M rows; its grid
+  visits only the rows its groups cover, which its name scope states
+  (`gmm.ROWS_SCOPE`): R of M rows count R/M of the estimate."""
+  line = ('  ROOT %custom-call.1 = bf16[1024,512]{1,0} custom-call(%a, %b), '
+          'custom_call_target="tpu_custom_call", backend_config={"custom_'
+          'call_config":{"cost_estimate":{"flops":"4000"}}}, metadata='
+          '{op_name="jit(update)/moe/' + gmm.ROWS_SCOPE.format(256, 1024) +
+          '/pallas_call"}')
+  hlo = ("HloModule m\n\nENTRY %main (a: bf16[1024,64], b: bf16[64,512]) "
+         "-> bf16[1024,512] {\n  %a = bf16[1024,64]{1,0} parameter(0)\n"
+         "  %b = bf16[64,512]{1,0} parameter(1)\n" + line + "\n}\n")
+  assert hlo_flops.count(hlo).total == 1000
+  assert hlo_flops.count(hlo.replace("gmm_rows_256", "xyz")).total == 4000

@@ -4,6 +4,7 @@ import collections
 import functools
 import json
 import os
+from unittest import mock
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ import pytest
 
 from kda_lm import model, testing
 from kda_lm.layers import moe
+from kda_lm.ops import gmm
 from kda_lm.parallel import context as context_parallel
 
 D, E, K, F = 8, 8, 3, 4
@@ -224,20 +226,43 @@ def test_grouped_matmuls_equal_the_ragged_dot_layer(impl):
     assert testing.rel_err(a, b) <= 1e-6
 
 
+def _emulated_ragged_exchange(operand, output, input_offsets, send_sizes,
+                              output_offsets, recv_sizes):
+  """`ragged_all_to_all` over `expert` as its documentation states it,
+  built from `all_to_all` (XLA:CPU has no ragged exchange, and JAX cannot
+  vmap one over its own axis): shard s's rows
+  `operand[input_offsets[j]:][:send_sizes[j]]` land on shard j at row
+  `output_offsets[j]` (shard s's value); shard j writes `recv_sizes[s]`
+  rows from each shard s."""
+  axis = context_parallel.EXPERT_AXIS
+  N, i = operand.shape[0], jnp.arange(operand.shape[0])
+  rows = operand[jnp.minimum(input_offsets[:, None] + i, N - 1)]
+  buf = jnp.where((i < send_sizes[:, None])[..., None], rows, 0)
+  got = jax.lax.all_to_all(buf, axis, 0, 0)          # [n,N,D] by source
+  at = jax.lax.all_to_all(output_offsets, axis, 0, 0)
+  pos = jnp.where(i < recv_sizes[:, None], at[:, None] + i, output.shape[0])
+  return output.at[pos.reshape(-1)].set(got.reshape(-1, *got.shape[2:]),
+                                        mode="drop")
+
+
 def _expert_parallel_vmapped(x_nMD, idx_nMA, w_nMA, weights, impl="xla",
-                             capacity_factor=None):
+                             capacity_factor=None, ragged=False):
   """`expert_parallel_swiglu` on n shards as a `jax.vmap` over the
-  `expert` axis name (its all_to_all then needs no devices)."""
+  `expert` axis name (its all_to_all then needs no devices); `ragged`
+  exchanges through `_emulated_ragged_exchange`."""
   n = x_nMD.shape[0]
   local = [a.reshape(n, a.shape[0] // n, *a.shape[1:]) for a in weights]
   fn = functools.partial(moe.expert_parallel_swiglu, shards=n, impl=impl,
-                         capacity_factor=capacity_factor)
-  return jax.vmap(fn, axis_name=context_parallel.EXPERT_AXIS)(
-      x_nMD, idx_nMA, w_nMA, *local)
+                         capacity_factor=capacity_factor, ragged=ragged)
+  with mock.patch.object(context_parallel, "expert_ragged_exchange",
+                         _emulated_ragged_exchange):
+    return jax.vmap(fn, axis_name=context_parallel.EXPERT_AXIS)(
+        x_nMD, idx_nMA, w_nMA, *local)
 
 
-def _sharded_loss(x, idx, w, weights, cot):
-  return jnp.sum(_expert_parallel_vmapped(x, idx, w, weights) * cot)
+def _sharded_loss(x, idx, w, weights, cot, ragged=False):
+  return jnp.sum(_expert_parallel_vmapped(x, idx, w, weights,
+                                          ragged=ragged) * cot)
 
 
 def _whole_loss(x, idx, w, weights, cot):
@@ -248,18 +273,20 @@ def _whole_loss(x, idx, w, weights, cot):
 
 
 # Compiled once per shard count for every routing (idx is an argument).
-_SHARDED = jax.jit(jax.value_and_grad(_sharded_loss, argnums=(0, 2, 3)))
+_SHARDED = jax.jit(jax.value_and_grad(_sharded_loss, argnums=(0, 2, 3)),
+                   static_argnames="ragged")
 _WHOLE = jax.jit(jax.value_and_grad(_whole_loss, argnums=(0, 2, 3)))
 
 
+@pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("n,routing", [(2, "random"), (4, "random"),
                                        (4, "one_expert"), (4, "one_shard")])
-def test_expert_parallel_dispatch_equals_one_device(n, routing):
-  """The exchange on n shards (vmapped) against `dispatch_swiglu` on all
-  tokens: the loss and the gradients of tokens, weights and combine
-  weights within 4x the float32 floor of this computation; every pair on
-  one expert, or on one shard's experts (the others empty), fills the
-  receiver's buffer to its bound.
+def test_expert_parallel_dispatch_equals_one_device(n, routing, ragged):
+  """The exchange on n shards (vmapped), padded or ragged, against
+  `dispatch_swiglu` on all tokens: the loss and the gradients of tokens,
+  weights and combine weights within 4x the float32 floor of this
+  computation; every pair on one expert, or on one shard's experts (the
+  others empty), fills the receiver's buffer to its bound.
 
   The floor (`_ulp_floor`) is how far the one-device results move when
   every input moves by one float32 ulp, measured in the same run: the
@@ -281,7 +308,7 @@ def test_expert_parallel_dispatch_equals_one_device(n, routing):
   weights = [jnp.asarray(rng.normal(size=s), jnp.float32)
              for s in ((E, D, F), (E, D, F), (E, F, D))]
   cot = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
-  loss, g = _SHARDED(x, idx, w, weights, cot)
+  loss, g = _SHARDED(x, idx, w, weights, cot, ragged=ragged)
   loss_ref, g_ref = _WHOLE(x, idx, w, weights, cot)
   want = [loss_ref] + jax.tree.leaves(g_ref)
   tol = 4 * _ulp_floor(x, idx, w, weights, cot, want)
@@ -335,11 +362,12 @@ def test_capacity_factor_drops_the_pairs_past_capacity():
              for s in ((E, D, F), (E, D, F), (E, F, D))]
   keep = _kept_pairs(idx, 2)
   assert 0 < keep.sum() < keep.size
-  y = jax.jit(functools.partial(_expert_parallel_vmapped,
-                                capacity_factor=0.5))(x, idx, w, weights)
   y_ref = moe.dispatch_swiglu(x.reshape(-1, D), idx.reshape(-1, A),
                               (w * keep).reshape(-1, A), *weights)
-  assert testing.rel_err(y.reshape(-1, D), y_ref) <= 1e-6
+  for ragged in (False, True):
+    y = jax.jit(functools.partial(_expert_parallel_vmapped, ragged=ragged,
+                                  capacity_factor=0.5))(x, idx, w, weights)
+    assert testing.rel_err(y.reshape(-1, D), y_ref) <= 1e-6
 
 
 CHECKS = os.path.join(testing.REPO, "tests", "layers_moe_checks.py")
@@ -474,3 +502,23 @@ def test_dispatch_gradient_gathers_rather_than_scatters():
   scatters = [e.invars[0].aval.shape for e in eqns
               if e.primitive.name.startswith("scatter")]
   assert scatters and not rows & set(scatters), scatters
+
+
+def test_expert_parallel_grouped_matmuls_state_their_mean_rows():
+  """The receiving buffer holds the worst case n*cap rows; on average a
+  device receives M*A of them, which the megablox calls' name scope
+  states for readers of the compiled cost (`gmm.ROWS_SCOPE`), forward
+  and backward (3 matmuls each way)."""
+  rng = np.random.default_rng(8)
+  n, M, A = 2, 4, 2
+  x = jnp.asarray(rng.normal(size=(n, M, D)), jnp.float32)
+  idx = jnp.asarray(rng.integers(0, E, (n, M, A)), jnp.int32)
+  w = jnp.ones((n, M, A), jnp.float32)
+  weights = [jnp.ones(s, jnp.float32)
+             for s in ((E, D, F), (E, D, F), (E, F, D))]
+  loss = lambda x, ws: jnp.sum(_expert_parallel_vmapped(
+      x, idx, w, ws, impl="megablox"))
+  text = jax.jit(jax.grad(loss, (0, 1))).lower(x, weights).as_text(
+      debug_info=True)
+  cap = moe.exchange_capacity(M, A, E // n, n)
+  assert gmm.ROWS_SCOPE.format(M * A, n * cap) in text

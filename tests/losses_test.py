@@ -8,6 +8,7 @@ import optax
 import pytest
 
 from kda_lm import losses, testing
+from kda_lm.parallel import sharding
 
 # A packed row of two documents, then padding.
 ROW = helpers.LOSS_ROW
@@ -100,3 +101,29 @@ def test_chunked_head_makes_its_gradient_with_the_loss():
   for g, h in zip(got, want, strict=True):
     assert g.dtype == jnp.bfloat16
     assert testing.rel_err(g.astype(jnp.float32), h) < 1e-2
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 1, 1), (2, 2, 1, 1),
+                                   (1, 2, 1, 2), (1, 1, 4, 1)])
+def test_head_and_loss_run_on_each_devices_rows(shape):
+  """On every mesh the head's matmuls and the cross-entropy run inside
+  `shard_map` on each device's rows: GSPMD, left to place them, gathered
+  the whole batch's logits onto every device when the head's vocabulary
+  and the rows were split over the same axis (`fsdp`)."""
+  auto = (jax.sharding.AxisType.Auto,) * 4
+  mesh = jax.sharding.AbstractMesh(shape, sharding.AXES, axis_types=auto)
+  y = jax.ShapeDtypeStruct((4, 16, 8), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((8, 64), jnp.bfloat16)
+  batch = {"targets": jax.ShapeDtypeStruct((4, 16), jnp.int32),
+           "loss_mask": jax.ShapeDtypeStruct((4, 16), jnp.float32)}
+  loss = lambda a, b, batch: losses.loss_terms(a, batch, b, 2)[0]
+  with jax.sharding.use_abstract_mesh(mesh):
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, (0, 1)))(
+        y, w, batch).jaxpr
+  maps = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
+  inside = [e.primitive.name for m in maps
+            for e in helpers.jaxpr_eqns(m.params["jaxpr"])]
+  outside = [e.primitive.name for e in helpers.jaxpr_eqns(jaxpr)]
+  assert inside.count("dot_general") == 3, inside
+  assert outside.count("dot_general") == 3, outside  # none outside
+  assert "reduce_max" in inside and "exp" in inside

@@ -48,7 +48,7 @@ def placements(jaxpr, inside=False, out=None, kernels=None):
   out = [] if out is None else out
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name in ("pallas_call", "sort", "all_to_all"):
+    if name in ("pallas_call", "sort", "all_to_all", "ragged_all_to_all"):
       out.append((name, inside))
     if name == "pallas_call" and kernels is not None:
       kernels.append(eqn.params["name"])
@@ -100,16 +100,23 @@ def test_kernels_and_sorts_run_inside_shard_map(shape):
   assert found[("all_to_all", True)] == (3 * 5 if expert else 0), found
 
 
-@pytest.mark.parametrize("shape", [(1, 4, 1), (2, 2, 1), (1, 2, 2)])
+@pytest.mark.parametrize("shape", [(1, 4, 1), (2, 2, 1), (1, 2, 2),
+                                   (1, 2, 1, 2)])
 def test_tpu_kernels_run_inside_shard_map(shape, monkeypatch):
   """Traced as on a TPU (JAX's default backend read as "tpu": the "tpu"
-  kernel family for the bounded gate, megablox for the experts): each KDA
-  layer's two TPU kernels, and every other kernel, inside shard_map."""
+  kernel family for the bounded gate, megablox for the experts, the
+  ragged exchange of expert parallelism): each KDA layer's two TPU
+  kernels, every other kernel and every exchange inside shard_map."""
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   kernels = []
   found = collections.Counter(placements(
       traced_step("auto", "auto")(abstract_mesh(*shape)), kernels=kernels))
   assert found[("pallas_call", False)] == 0, found
+  assert found[("ragged_all_to_all", False)] == 0, found
+  # Per MoE layer two ragged exchanges forward (out and back) and two for
+  # their transposes; the small counts and offsets still by all_to_all.
+  assert found[("ragged_all_to_all", True)] == (
+      3 * 4 if len(shape) == 4 else 0), found
   names = collections.Counter(kernels)
   assert names["kda_tpu_forward"] == 3 and names["kda_tpu_backward"] == 3, (
       names)

@@ -286,11 +286,13 @@ def _combine(out_MAD, w, dt):
 
 
 def _grouped_swiglu(rows, sizes, w_gate_EDF, w_up_EDF, w_down_EFD, impl,
-                    limit):
+                    limit, real_rows=None):
   """Rows sorted by expert (`sizes` per expert) through their SwiGLUs; the
-  gate and up projections as one grouped matmul of twice the width."""
+  gate and up projections as one grouped matmul of twice the width.
+  `real_rows`: the rows `sizes` cover on average (`gmm.gmm`'s `rows`)."""
   dt, F = rows.dtype, w_gate_EDF.shape[-1]
-  mm = functools.partial(gmm.gmm, group_sizes=sizes, impl=impl)
+  mm = functools.partial(gmm.gmm, group_sizes=sizes, impl=impl,
+                         rows=real_rows)
   w_in = jnp.concatenate([w_gate_EDF.astype(dt), w_up_EDF.astype(dt)], -1)
   gate_up = mm(rows, w_in)
   h = mlp.swiglu(gate_up[:, :F], gate_up[:, F:], limit)
@@ -313,7 +315,8 @@ def expert_parallel_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
                            w_down_EFD: jax.Array, *, shards: int,
                            impl: str = "auto",
                            capacity_factor: Optional[float] = None,
-                           limit: float = 0.0) -> jax.Array:
+                           limit: float = 0.0,
+                           ragged: Optional[bool] = None) -> jax.Array:
   """`dispatch_swiglu` with the experts split over `shards` devices.
 
   Runs inside `context_parallel.expert_map`: this device's tokens, its
@@ -329,12 +332,15 @@ def expert_parallel_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
     impl: the grouped matmul's implementation.
     capacity_factor: None (no pair dropped) or c (`exchange_capacity`).
     limit: the experts' SwiGLU clamp (`mlp.swiglu`; 0 = none).
+    ragged: exchange only the real rows (`ragged_all_to_all`) or a padded
+      [n, cap, D] buffer (`all_to_all`); None: ragged where the backend
+      runs it (`context_parallel.ragged_exchange_supported`).
 
   Returns:
     [M,D] in `x_MD`'s dtype.
   """
   M, A = idx.shape
-  E, D = w_gate_EDF.shape[:2]
+  E = w_gate_EDF.shape[0]
   cap = exchange_capacity(M, A, E, shards, capacity_factor)
   flat = idx.reshape(-1)                                     # [M*A]
   order = jnp.argsort(flat, stable=True)
@@ -345,25 +351,88 @@ def expert_parallel_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
   # Pairs kept per target expert: the first `cap` to each device.
   before = jnp.cumsum(counts, axis=1) - counts
   counts = jnp.clip(cap - before, 0, counts)
+  got_counts = context_parallel.expert_exchange(counts)      # [n,E] by src
+  # Over the `expert` group every device receives M*A rows on average.
+  experts = functools.partial(_local_experts, weights=(
+      w_gate_EDF, w_up_EDF, w_down_EFD), impl=impl, limit=limit,
+      real_rows=min(M * A, shards * cap))
+  if ragged is None:
+    ragged = context_parallel.ragged_exchange_supported()
+  exchange = _ragged_exchange if ragged else _padded_exchange
+  out = exchange(x_MD, flat, order, start, counts, got_counts, cap, experts)
+  return _combine(out.reshape(M, A, -1), w, x_MD.dtype)
+
+
+def _local_experts(rows_RD, local_R, got_counts, weights, impl, limit,
+                   real_rows):
+  """The received rows through this device's experts, in their order.
+
+  Args:
+    rows_RD: [R,D] received rows.
+    local_R: [R] each row's local expert (E for an empty slot).
+    got_counts: [n,E] rows received per source and local expert.
+    weights: the local experts' (gate, up, down) weights.
+    impl, limit: as `expert_parallel_swiglu`.
+    real_rows: the rows received on average (`gmm.gmm`'s `rows`).
+  """
+  perm = jnp.argsort(local_R, stable=True)
+  out = _grouped_swiglu(rows_RD[perm], got_counts.sum(0), *weights, impl,
+                        limit, real_rows)
+  return out[_inverse(perm)]
+
+
+def _padded_exchange(x_MD, flat, order, start, counts, got_counts, cap,
+                     experts):
+  """The pairs' rows out and back in `[n, cap, D]` buffers (`all_to_all`):
+  slot j holds the rows for device j. Returns [M*A,D] per pair (zero for
+  the pairs past capacity)."""
+  MA, D = order.shape[0], x_MD.shape[-1]
+  A = MA // x_MD.shape[0]
   slot = jnp.arange(cap, dtype=jnp.int32)
-  pair = order[jnp.minimum(start[:, None] + slot, M * A - 1)]  # [n,cap]
+  pair = order[jnp.minimum(start[:, None] + slot, MA - 1)]   # [n,cap]
   used = (slot < counts.sum(1)[:, None])[..., None]
   buf = jnp.where(used, x_MD[pair // A], jnp.zeros((), x_MD.dtype))
-  got_counts = context_parallel.expert_exchange(counts)      # [n,E] by src
   got = context_parallel.expert_exchange(buf)                # [n,cap,D]
   # Each source's rows come sorted by local expert; `E` marks empty slots.
   ends = jnp.cumsum(got_counts, axis=1)
   local = (slot[None, :, None] >= ends[:, None, :]).sum(-1).reshape(-1)
-  perm = jnp.argsort(local, stable=True)
-  out = _grouped_swiglu(got.reshape(-1, D)[perm], got_counts.sum(0),
-                        w_gate_EDF, w_up_EDF, w_down_EFD, impl, limit)
-  back = context_parallel.expert_exchange(
-      out[_inverse(perm)].reshape(shards, cap, D))           # [n,cap,D]
-  target = flat // E
+  out = experts(got.reshape(-1, D), local, got_counts)
+  back = context_parallel.expert_exchange(out.reshape(got.shape))
+  target = flat // got_counts.shape[1]
   at = _inverse(order) - start[target]
-  out = jnp.where((at < cap)[:, None], back[target, jnp.minimum(at, cap - 1)],
-                  jnp.zeros((), back.dtype))
-  return _combine(out.reshape(M, A, D), w, x_MD.dtype)
+  return jnp.where((at < cap)[:, None],
+                   back[target, jnp.minimum(at, cap - 1)],
+                   jnp.zeros((), back.dtype))
+
+
+def _ragged_exchange(x_MD, flat, order, start, counts, got_counts, cap,
+                     experts):
+  """The pairs' rows out and back with `ragged_all_to_all`: only the real
+  rows move. Sent: the run of expert-sorted pairs for each device (its
+  first `cap`); received: packed by source into an [n*cap, D] buffer.
+  Returns [M*A,D] per pair (zero for the pairs past capacity)."""
+  del flat
+  MA, D = order.shape[0], x_MD.shape[-1]
+  n, E = got_counts.shape
+  A = MA // x_MD.shape[0]
+  sent = counts.sum(1)                                       # [n] to each
+  got = got_counts.sum(1)                                    # [n] from each
+  got_at = jnp.cumsum(got) - got
+  # The receiving buffer is sized for the worst case; on average M*A of
+  # its rows arrive (stated for readers of the compiled program's bytes).
+  with jax.named_scope(gmm.ROWS_SCOPE.format(min(MA, n * cap), n * cap)):
+    rows = context_parallel.expert_ragged_exchange(
+        _sorted_copies(x_MD, order, _inverse(order), A),
+        jnp.zeros((n * cap, D), x_MD.dtype), start, sent,
+        context_parallel.expert_exchange(got_at), got)
+  ends = jnp.cumsum(got_counts.reshape(-1))                  # by (src, e)
+  seg = jnp.searchsorted(ends, jnp.arange(n * cap), "right")
+  out = experts(rows, jnp.where(seg < n * E, seg % E, E), got_counts)
+  with jax.named_scope(gmm.ROWS_SCOPE.format(min(MA, n * cap), n * cap)):
+    back = context_parallel.expert_ragged_exchange(
+        out, jnp.zeros((MA, D), out.dtype), got_at, got,
+        context_parallel.expert_exchange(start), sent)       # sorted pairs
+  return _permute(back, _inverse(order), order)
 
 
 def _dispatch(x, idx, w, weights, impl, capacity_factor, limit):

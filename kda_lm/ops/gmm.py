@@ -87,7 +87,8 @@ def _check(lhs, rhs, group_sizes):
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-        impl: str = "auto", tile_m: Optional[int] = None) -> jax.Array:
+        impl: str = "auto", tile_m: Optional[int] = None,
+        rows: Optional[int] = None) -> jax.Array:
   """`lhs`'s row groups times their matrices (see the module docstring).
 
   Args:
@@ -96,7 +97,11 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     group_sizes: [G] int rows per group, summing to at most M.
     impl: "auto", "xla", "megablox" or "ragged_dot".
     tile_m: rows per tile (default: `default_tile_m(M, G)` for "xla",
-      128 for "megablox").
+      `MEGABLOX_TILE_M` for "megablox").
+    rows: the rows the groups cover on average, when the caller knows it
+      ahead (an exchange buffer's mean fill; default M). It changes no
+      number: it is written into the megablox calls' name scope
+      (`ROWS_SCOPE`) for readers of the compiled program's cost.
 
   Returns:
     [M,N] in `lhs`'s dtype (float32 accumulation).
@@ -119,17 +124,25 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     # The kernel visits only the tiles that hold rows (a dynamic grid):
     # full-size tiles cost nothing extra there.
     tm = tile_m or min(MEGABLOX_TILE_M, -(-M // 16) * 16)
-    return _megablox(lhs, rhs, group_sizes, tm)
+    return _megablox(lhs, rhs, group_sizes, tm, M if rows is None else rows)
   tm = tile_m or default_tile_m(M, rhs.shape[0])
   return _xla_gmm(lhs, rhs, group_sizes, tm)
 
 
-def _megablox(lhs, rhs, group_sizes, tm):
+# The name scope of a megablox call whose groups cover (on average) R of
+# its M rows: the kernels' cost estimates count all M rows, while their
+# grids visit only the tiles that hold rows, so a reader of the compiled
+# program's cost (experiments/hlo_flops.py) scales them by R / M.
+ROWS_SCOPE = "gmm_rows_{}_of_{}"
+
+
+def _megablox(lhs, rhs, group_sizes, tm, rows):
   """JAX's TPU grouped matmul kernels (interpret mode on CPU)."""
   _, K, N = rhs.shape
   tiling = (tm, min(K, 512), min(N, 512))
-  return _megablox_call(lhs, rhs, group_sizes, tiling,
-                        jax.default_backend() == "cpu")
+  with jax.named_scope(ROWS_SCOPE.format(rows, lhs.shape[0])):
+    return _megablox_call(lhs, rhs, group_sizes, tiling,
+                          jax.default_backend() == "cpu", rows)
 
 
 def _megablox_kernels():
@@ -149,25 +162,27 @@ def _megablox_rows(lhs, rhs, group_sizes, tiling, interpret, transpose):
   return jnp.where(used[:, None], out, jnp.zeros((), out.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _megablox_call(lhs, rhs, group_sizes, tiling, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _megablox_call(lhs, rhs, group_sizes, tiling, interpret, rows):
+  del rows
   return _megablox_rows(lhs, rhs, group_sizes, tiling, interpret, False)
 
 
-def _megablox_fwd(lhs, rhs, group_sizes, tiling, interpret):
-  out = _megablox_call(lhs, rhs, group_sizes, tiling, interpret)
+def _megablox_fwd(lhs, rhs, group_sizes, tiling, interpret, rows):
+  out = _megablox_call(lhs, rhs, group_sizes, tiling, interpret, rows)
   return out, (lhs, rhs, group_sizes)
 
 
-def _megablox_bwd(tiling, interpret, residuals, dout):
+def _megablox_bwd(tiling, interpret, rows, residuals, dout):
   lhs, rhs, group_sizes = residuals
-  dlhs = _megablox_rows(dout, rhs, group_sizes, tiling, interpret, True)
   M, tm = lhs.shape[0], tiling[0]
-  Mp = -(-M // tm) * tm
-  drhs = _megablox_kernels().tgmm(
-      _pad_rows(lhs, Mp).swapaxes(0, 1), _pad_rows(dout, Mp), group_sizes,
-      rhs.dtype, tiling, num_actual_groups=rhs.shape[0],
-      interpret=interpret)
+  with jax.named_scope(ROWS_SCOPE.format(rows, M)):
+    dlhs = _megablox_rows(dout, rhs, group_sizes, tiling, interpret, True)
+    Mp = -(-M // tm) * tm
+    drhs = _megablox_kernels().tgmm(
+        _pad_rows(lhs, Mp).swapaxes(0, 1), _pad_rows(dout, Mp),
+        group_sizes, rhs.dtype, tiling, num_actual_groups=rhs.shape[0],
+        interpret=interpret)
   return dlhs, drhs, None
 
 

@@ -451,6 +451,49 @@ def token_map(fn: Callable[..., jax.Array], tokens: Sequence[jax.Array],
   return _shard_map(fn, specs, rows, check_vma)(*tokens, *replicated)
 
 
+def row_sum_map(fn: Callable[..., tuple[Any, Any]],
+                tokens: Sequence[jax.Array],
+                replicated: Sequence[jax.Array]) -> tuple[Any, Any]:
+  """Runs `fn` on each device's rows; sums its `summed` outputs over them.
+
+  For the LM head and the loss: each device multiplies its own rows'
+  hidden states by the whole head (GSPMD, left alone, may instead gather
+  the whole batch's logits onto every device when the head's vocabulary
+  and the rows are split over the same axis).
+
+  Args:
+    fn: `fn(*tokens, *replicated) -> (summed, per_token)` on the shard's
+      [B,T/n,...] slices and the whole `replicated` arrays: `summed` a
+      pytree of arrays to add up over the devices (sums, a parameter's
+      gradient), `per_token` one of [B,T/n,...] arrays.
+    tokens: [B,T,...] arrays (global).
+    replicated: arrays every device receives whole (parameters).
+
+  Returns:
+    (`summed` added over every device's rows, `per_token` [B,T,...]
+    global). Outside a mesh, `fn(*tokens, *replicated)`.
+  """
+  if not under_mesh():
+    return fn(*tokens, *replicated)
+  B, T = tokens[0].shape[:2]
+  check_shape(B, T, "The LM head and loss")
+  rows, axes = _row_spec(_mesh()), _row_axes()
+
+  def body(*args):
+    summed, per_token = fn(*args)
+    return jax.tree.map(lambda x: x[None], summed), per_token
+
+  # One slice per device along a new leading axis, added up outside:
+  # GSPMD then reduces (or reduce-scatters) into the caller's layout. No
+  # varying-axes check: `fn`'s accumulators start as constants, and
+  # nothing differentiates through this map (the loss's custom_vjp
+  # calls it for its gradient).
+  specs = (rows,) * len(tokens) + (P(),) * len(replicated)
+  summed, per_token = _shard_map(body, specs, (P(axes), rows), False)(
+      *tokens, *replicated)
+  return jax.tree.map(lambda x: x.sum(0), summed), per_token
+
+
 def expert_map(fn: Callable[..., jax.Array], tokens: Sequence[jax.Array],
                experts: Sequence[jax.Array], check_vma: bool = True
                ) -> jax.Array:
@@ -477,6 +520,25 @@ def expert_map(fn: Callable[..., jax.Array], tokens: Sequence[jax.Array],
   rows = _row_spec(_mesh())
   specs = (rows,) * len(tokens) + (P(EXPERT_AXIS),) * len(experts)
   return _shard_map(fn, specs, rows, check_vma)(*tokens, *experts)
+
+
+def ragged_exchange_supported() -> bool:
+  """Whether the backend runs `ragged_all_to_all` (TPU and GPU; XLA:CPU
+  has no implementation, so CPU runs exchange padded buffers)."""
+  return jax.default_backend() != "cpu"
+
+
+def expert_ragged_exchange(operand: jax.Array, output: jax.Array,
+                           input_offsets: jax.Array, send_sizes: jax.Array,
+                           output_offsets: jax.Array, recv_sizes: jax.Array
+                           ) -> jax.Array:
+  """Inside `expert_map`'s `fn`: `jax.lax.ragged_all_to_all` over
+  `expert`. Rows `operand[input_offsets[j]:][:send_sizes[j]]` go to shard
+  j, which writes them at its row `output_offsets[j]`; returns `output`
+  with the `recv_sizes[s]` rows from each shard s written in."""
+  return jax.lax.ragged_all_to_all(operand, output, input_offsets,
+                                   send_sizes, output_offsets, recv_sizes,
+                                   axis_name=EXPERT_AXIS)
 
 
 def expert_exchange(x: jax.Array) -> jax.Array:

@@ -59,11 +59,12 @@ def _loss_fn(model: hk.Transformed, cfg: config_lib.ModelConfig | None,
   """`loss(params, batch, denominators) -> (loss, extra)` for
   `jax.value_and_grad`: sums over `batch` divided by the whole batch's
   `denominators`, so that micro-batches' losses add up to the batch's.
-  With `loss_chunks` > 1 the head runs inside the loss, in that many
-  pieces (`kda_lm.losses`)."""
+  With the model config the head runs inside the loss, in `loss_chunks`
+  pieces, each device on its own rows (`kda_lm.losses`); without it the
+  loss reads the model's logits."""
   with_aux = cfg is not None and cfg.has_aux_outputs
-  chunked = loss_chunks > 1
-  if chunked and cfg is None:
+  chunked = cfg is not None
+  if loss_chunks > 1 and cfg is None:
     raise ValueError("config.train.loss_chunks > 1 needs the model config.")
 
   def loss_fn(params, batch, denominators):
@@ -134,9 +135,9 @@ def make_update_fn(model: hk.Transformed, tx: optax.GradientTransformation,
   (`moe.load_metrics`). With `grad_accum_steps` n > 1 the batch runs as n
   micro-batches (`micro_batches`); the loss, gradients, metrics and expert
   loads are the whole batch's (token-weighted sums, not means of means).
-  With `loss_chunks` n > 1 the LM head and the cross-entropy run over n
-  strided pieces of the rows, each piece's logits recomputed in the
-  backward pass (`config.train.loss_chunks`, `kda_lm.losses`).
+  With `model_config` the LM head runs inside the loss, each device on its
+  own rows, over `loss_chunks` strided pieces of them, the gradient made
+  in the loss's own pass (`config.train.loss_chunks`, `kda_lm.losses`).
   """
   cfg = (None if model_config is None
          else config_lib.ModelConfig.from_config(model_config))
