@@ -4,9 +4,9 @@ import collections
 import functools
 import json
 import os
-from unittest import mock
 import subprocess
 import sys
+from unittest import mock
 
 import haiku as hk
 import helpers
