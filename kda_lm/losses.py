@@ -243,19 +243,20 @@ def make_eval_step(model: Any, token_bytes: Optional[Any] = None,
     model: the `hk.Transformed` model.
     token_bytes: float `[W]` bytes per token id (`pipeline.token_bytes`);
       None counts one byte per scored token.
-    head_weight: with `chunks` > 1, `params -> head_DW` (the LM head's
-      weight, `kda_lm.model.head_weight`): the model then returns hidden
-      states and the head runs in `chunks` pieces of each row, as the
-      training loss does (`config.train.loss_chunks`).
-    chunks: pieces per row (must divide T); 1 computes whole logits.
+    head_weight: `params -> head_DW` (the LM head's weight,
+      `kda_lm.model.head_weight`), or None: the model then returns hidden
+      states and the head runs inside the loss, each device on its own
+      rows, in `chunks` pieces of each row, as the training loss does
+      (`config.train.loss_chunks`); None reads the model's logits.
+    chunks: pieces per row (must divide T).
 
   Raises:
     ValueError: `chunks` > 1 without `head_weight`.
   """
   nbytes_W = (None if token_bytes is None
               else jnp.asarray(token_bytes, jnp.float32))
-  chunked = chunks > 1
-  if chunked and head_weight is None:
+  chunked = head_weight is not None
+  if chunks > 1 and not chunked:
     raise ValueError("An eval step in loss_chunks > 1 pieces needs the "
                      "model's head_weight.")
 

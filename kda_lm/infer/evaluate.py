@@ -22,6 +22,7 @@ BPE token's bytes; 1 per byte-level token), so that runs with different
 tokenizers compare.
 """
 
+import functools
 import math
 from typing import Any, Iterator, Mapping
 
@@ -33,6 +34,7 @@ import numpy as np
 
 import kda_lm  # noqa: F401  # isort: skip  (first: XLA:CPU flags)
 from data import packing, pipeline
+from kda_lm import config as config_lib
 from kda_lm import logs, losses
 from kda_lm import model as model_lib
 from kda_lm.checkpoint import state as state_lib
@@ -85,8 +87,10 @@ def _stack(rows: list[dict[str, np.ndarray]]) -> Batch:
 
 def make_eval_step(model_config: Any, token_bytes: Any = None):
   """The jitted shared eval step (`losses.make_eval_step`) of a model."""
+  head = functools.partial(model_lib.head_weight,
+                           config_lib.ModelConfig.from_config(model_config))
   return jax.jit(losses.make_eval_step(model_lib.build(model_config),
-                                       token_bytes))
+                                       token_bytes, head_weight=head))
 
 
 def score(eval_step, params: hk.Params, batches: Iterator[Batch],
