@@ -122,6 +122,17 @@ def test_tpu_kernels_run_inside_shard_map(shape, monkeypatch):
       names)
 
 
+def test_gpu_step_exchanges_ragged_inside_shard_map(monkeypatch):
+  """Traced as on a GPU (the XLA grouped matmul, whose `shard_map` checks
+  varying axes): the ragged exchange's buffers are typed as the rows
+  they receive, forward and backward."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  found = collections.Counter(placements(
+      traced_step("xla", "auto")(abstract_mesh(1, 2, 1, 2))))
+  assert found[("ragged_all_to_all", False)] == 0, found
+  assert found[("ragged_all_to_all", True)] == 3 * 4, found
+
+
 def test_xla_paths_sort_inside_shard_map():
   found = collections.Counter(placements(
       traced_step("xla", "xla")(abstract_mesh(1, 4, 1))))

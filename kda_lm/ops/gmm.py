@@ -115,8 +115,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   # Inside `jax.shard_map` the matrices are usually the same on every
   # device and the rows not: typed as varying here, so that their
   # cotangent is summed over the devices by JAX's own transpose.
-  rhs = _varying_like(rhs.astype(lhs.dtype), lhs)
-  group_sizes = _varying_like(group_sizes, lhs)
+  rhs = varying_like(rhs.astype(lhs.dtype), lhs)
+  group_sizes = varying_like(group_sizes, lhs)
   M, K = lhs.shape
   if impl == "ragged_dot":
     return jax.lax.ragged_dot(lhs, rhs, group_sizes)
@@ -243,7 +243,7 @@ def _tile_rows(x, items, i, tm):
   return jnp.where(mask[:, None], x_t, jnp.zeros((), x.dtype)), g, r0
 
 
-def _varying_like(x, *refs):
+def varying_like(x, *refs):
   """`x` typed as varying over the mesh axes `refs` vary over (inside
   `jax.shard_map`, a loop carry must have its body's output type)."""
   def varying(a):
@@ -271,7 +271,7 @@ def _loop_gmm(lhs, rhs, group_sizes, tm):
     cur = jax.lax.dynamic_slice_in_dim(out, r0, tm)
     return jax.lax.dynamic_update_slice_in_dim(out, cur + y, r0, 0)
 
-  out = _varying_like(jnp.zeros((Mp, rhs.shape[2]), jnp.float32), lhs, rhs,
+  out = varying_like(jnp.zeros((Mp, rhs.shape[2]), jnp.float32), lhs, rhs,
                       group_sizes)
   return _item_loop(items, body, out)[:M]
 
@@ -290,7 +290,7 @@ def _loop_weight_grad(lhs, dout, group_sizes, num_groups, tm):
                             preferred_element_type=jnp.float32)
     return acc.at[g].add(d)
 
-  acc = _varying_like(
+  acc = varying_like(
       jnp.zeros((num_groups, lhs.shape[1], dout.shape[1]), jnp.float32),
       lhs, dout, group_sizes)
   return _item_loop(items, body, acc)

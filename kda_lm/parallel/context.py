@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from kda_lm import ops
+from kda_lm.ops import gmm
 from kda_lm.ops.kda import api
 from kda_lm.parallel import sharding
 
@@ -536,6 +537,7 @@ def expert_ragged_exchange(operand: jax.Array, output: jax.Array,
   `expert`. Rows `operand[input_offsets[j]:][:send_sizes[j]]` go to shard
   j, which writes them at its row `output_offsets[j]`; returns `output`
   with the `recv_sizes[s]` rows from each shard s written in."""
+  output = gmm.varying_like(output, operand)
   return jax.lax.ragged_all_to_all(operand, output, input_offsets,
                                    send_sizes, output_offsets, recv_sizes,
                                    axis_name=EXPERT_AXIS)
