@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from kda_lm.layers import mtp
-from kda_lm.parallel import context as context_parallel
+from kda_lm.parallel import maps as parallel_maps
 
 Batch = Mapping[str, jax.Array]
 
@@ -109,20 +109,20 @@ def _local_grads(y_BTD, targets, mask, w_DW, *, chunks):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _head_sums(y_BTD, w_DW, targets, mask, chunks):
   """[loss sum, correct sum] of `y @ w` one piece (`_pieces`) at a time,
-  each device on its own rows (`context_parallel.row_sum_map`).
+  each device on its own rows (`parallel_maps.row_sum_map`).
 
   Its gradient is computed in the same pass as the loss (`_head_sums_fwd`):
   each piece's logits are made once and never stored, and the backward
   pass only scales the gradients by the loss's cotangent.
   """
-  (sums,), _ = context_parallel.row_sum_map(
+  (sums,), _ = parallel_maps.row_sum_map(
       functools.partial(_local_sums, chunks=chunks),
       (y_BTD, targets, mask), (w_DW,))
   return sums
 
 
 def _head_sums_fwd(y_BTD, w_DW, targets, mask, chunks):
-  (sums, dw), dy = context_parallel.row_sum_map(
+  (sums, dw), dy = parallel_maps.row_sum_map(
       functools.partial(_local_grads, chunks=chunks),
       (y_BTD, targets, mask), (w_DW,))
   return sums, (dy, dw)

@@ -18,7 +18,7 @@ import pytest
 from kda_lm import model, testing
 from kda_lm.layers import moe
 from kda_lm.ops import gmm
-from kda_lm.parallel import context as context_parallel
+from kda_lm.parallel import maps as parallel_maps
 
 D, E, K, F = 8, 8, 3, 4
 N_GROUP, TOPK_GROUP, SCALE = 4, 2, 2.5
@@ -234,7 +234,7 @@ def _emulated_ragged_exchange(operand, output, input_offsets, send_sizes,
   `operand[input_offsets[j]:][:send_sizes[j]]` land on shard j at row
   `output_offsets[j]` (shard s's value); shard j writes `recv_sizes[s]`
   rows from each shard s."""
-  axis = context_parallel.EXPERT_AXIS
+  axis = parallel_maps.EXPERT_AXIS
   N, i = operand.shape[0], jnp.arange(operand.shape[0])
   rows = operand[jnp.minimum(input_offsets[:, None] + i, N - 1)]
   buf = jnp.where((i < send_sizes[:, None])[..., None], rows, 0)
@@ -254,9 +254,9 @@ def _expert_parallel_vmapped(x_nMD, idx_nMA, w_nMA, weights, impl="xla",
   local = [a.reshape(n, a.shape[0] // n, *a.shape[1:]) for a in weights]
   fn = functools.partial(moe.expert_parallel_swiglu, shards=n, impl=impl,
                          capacity_factor=capacity_factor, ragged=ragged)
-  with mock.patch.object(context_parallel, "expert_ragged_exchange",
+  with mock.patch.object(parallel_maps, "expert_ragged_exchange",
                          _emulated_ragged_exchange):
-    return jax.vmap(fn, axis_name=context_parallel.EXPERT_AXIS)(
+    return jax.vmap(fn, axis_name=parallel_maps.EXPERT_AXIS)(
         x_nMD, idx_nMA, w_nMA, *local)
 
 
@@ -483,7 +483,7 @@ def test_clamped_experts_on_one_device_and_over_shards():
   local = [a.reshape(n, E // n, *a.shape[1:]) for a in weights]
   fn = functools.partial(moe.expert_parallel_swiglu, shards=n,
                          impl="ragged_dot", limit=limit)
-  split = jax.vmap(fn, axis_name=context_parallel.EXPERT_AXIS)(
+  split = jax.vmap(fn, axis_name=parallel_maps.EXPERT_AXIS)(
       x.reshape(n, M, D), idx.reshape(n, M, A), w.reshape(n, M, A), *local)
   assert testing.rel_err(split.reshape(-1, D), want) < 1e-6
   plain = moe.dispatch_swiglu(x, idx, w, *weights, impl="ragged_dot")

@@ -26,7 +26,7 @@ from configs import ling3_tiny
 from kda_lm import model as model_lib
 from kda_lm import optimizer, testing
 from kda_lm.checkpoint import state as state_lib
-from kda_lm.parallel import context as context_parallel
+from kda_lm.parallel import maps as parallel_maps
 from kda_lm.parallel import sharding
 from kda_lm.train import step as step_lib
 
@@ -140,7 +140,7 @@ def test_xla_paths_sort_inside_shard_map():
 
 
 def test_without_a_mesh_the_layers_call_the_ops_directly():
-  assert not context_parallel.under_mesh()
+  assert not parallel_maps.under_mesh()
   config = ling3_tiny.get_config().model
   config.kda_impl, config.moe_impl = "pallas", "megablox"
   model = model_lib.build(config)

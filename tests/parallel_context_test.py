@@ -22,6 +22,7 @@ import pytest
 
 from kda_lm import testing
 from kda_lm.parallel import context as context_parallel
+from kda_lm.parallel import maps as parallel_maps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKS = os.path.join(REPO, "tests", "parallel_context_checks.py")
@@ -72,11 +73,11 @@ def test_model_sharded_equals_one_device_and_refusals():
 
 
 def test_without_mesh_is_the_plain_op():
-  assert context_parallel.context_size() == 1
+  assert parallel_maps.context_size() == 1
   mesh = jax.make_mesh((1,), ("data",),
                        axis_types=(jax.sharding.AxisType.Auto,))
   with jax.set_mesh(mesh):
-    assert context_parallel.context_size() == 1
+    assert parallel_maps.context_size() == 1
 
 
 def test_keep_state_follows_the_segment_rule_at_shard_boundaries():

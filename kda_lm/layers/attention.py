@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from kda_lm import segments
 from kda_lm.parallel import context as context_parallel
+from kda_lm.parallel import maps as parallel_maps
 
 # A large finite negative: exp() of it underflows to exactly 0, and a row
 # with every entry masked stays finite (no NaN) in forward and backward.
@@ -271,7 +272,7 @@ def attend_context_parallel(q_BTHK, c_kv_BTZ, k_rope_BTR, segment_ids,
   ids_BT = (jnp.ones((B, T), jnp.int32) if segment_ids is None
             else segment_ids)
   piece_BT = segments.piece_ids(ids_BT)
-  balanced = (T // context_parallel.context_size()) % 2 == 0
+  balanced = (T // parallel_maps.context_size()) % 2 == 0
   shard = _attend_shard_balanced if balanced else _attend_shard_contiguous
   return context_parallel.gather_map(
       functools.partial(shard, U=U, scale=scale, q_block=q_block),

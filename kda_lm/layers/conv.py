@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from kda_lm import segments
 from kda_lm.parallel import context as context_parallel
+from kda_lm.parallel import maps as parallel_maps
 
 
 class ShortConvolution(hk.Module):
@@ -91,7 +92,7 @@ class ShortConvolution(hk.Module):
     init = hk.initializers.RandomUniform(-bound, bound)
     w_JD = hk.get_parameter("weight", [J, D], self.param_dtype, init=init)
     w_JD = w_JD.astype(x.dtype)
-    if context_parallel.context_size() > 1:
+    if parallel_maps.context_size() > 1:
       return self._context_parallel(x, segment_ids, w_JD, window,
                                     return_window)
     if window is None:

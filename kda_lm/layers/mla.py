@@ -49,7 +49,7 @@ import jax.numpy as jnp
 
 from kda_lm import segments
 from kda_lm.layers import attention, linear, norm, rope
-from kda_lm.parallel import context as context_parallel
+from kda_lm.parallel import maps as parallel_maps
 
 # The projections that get a bias with `bias` (as the formats'
 # `attention_bias`: never q_proj, q_b_proj, kv_b_proj or g_proj).
@@ -340,7 +340,7 @@ class MultiHeadLatentAttention(hk.Module):
       return (_output(x, o_BHV[:, None], None, dense, self.output_gate),
               new_cache)
     q_BTHK = jnp.concatenate([q_nope_BTHU, q_rope_BTHR], axis=-1)
-    if context_parallel.context_size() > 1:
+    if parallel_maps.context_size() > 1:
       if max_len is not None:
         raise ValueError("An MLA prefill (max_len) is not supported under "
                          "context parallelism.")

@@ -22,7 +22,7 @@ at most E - 1 partial row tiles per matmul); memory is `M*A*(D + 3F)`
 activations for the gathered inputs and hidden states plus the `[M,E]`
 scores. Under a device mesh the sort and the grouped matmuls run inside
 `jax.shard_map`, each device on its own tokens
-(`context_parallel.token_map`): GSPMD can partition neither a global sort
+(`parallel_maps.token_map`): GSPMD can partition neither a global sort
 nor a Pallas kernel.
 
 Expert parallelism (a mesh `expert` axis of n > 1 devices,
@@ -60,7 +60,7 @@ import numpy as np
 
 from kda_lm.layers import mlp
 from kda_lm.ops import gmm
-from kda_lm.parallel import context as context_parallel
+from kda_lm.parallel import maps as parallel_maps
 
 BIAS_NAME = "e_score_correction_bias"
 
@@ -319,7 +319,7 @@ def expert_parallel_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
                            ragged: Optional[bool] = None) -> jax.Array:
   """`dispatch_swiglu` with the experts split over `shards` devices.
 
-  Runs inside `context_parallel.expert_map`: this device's tokens, its
+  Runs inside `parallel_maps.expert_map`: this device's tokens, its
   E/n experts (here `E` is that local count); expert ids are global.
 
   Args:
@@ -334,7 +334,7 @@ def expert_parallel_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
     limit: the experts' SwiGLU clamp (`mlp.swiglu`; 0 = none).
     ragged: exchange only the real rows (`ragged_all_to_all`) or a padded
       [n, cap, D] buffer (`all_to_all`); None: ragged where the backend
-      runs it (`context_parallel.ragged_exchange_supported`).
+      runs it (`parallel_maps.ragged_exchange_supported`).
 
   Returns:
     [M,D] in `x_MD`'s dtype.
@@ -351,13 +351,13 @@ def expert_parallel_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
   # Pairs kept per target expert: the first `cap` to each device.
   before = jnp.cumsum(counts, axis=1) - counts
   counts = jnp.clip(cap - before, 0, counts)
-  got_counts = context_parallel.expert_exchange(counts)      # [n,E] by src
+  got_counts = parallel_maps.expert_exchange(counts)      # [n,E] by src
   # Over the `expert` group every device receives M*A rows on average.
   experts = functools.partial(_local_experts, weights=(
       w_gate_EDF, w_up_EDF, w_down_EFD), impl=impl, limit=limit,
       real_rows=min(M * A, shards * cap))
   if ragged is None:
-    ragged = context_parallel.ragged_exchange_supported()
+    ragged = parallel_maps.ragged_exchange_supported()
   exchange = _ragged_exchange if ragged else _padded_exchange
   out = exchange(x_MD, flat, order, start, counts, got_counts, cap, experts)
   return _combine(out.reshape(M, A, -1), w, x_MD.dtype)
@@ -392,12 +392,12 @@ def _padded_exchange(x_MD, flat, order, start, counts, got_counts, cap,
   pair = order[jnp.minimum(start[:, None] + slot, MA - 1)]   # [n,cap]
   used = (slot < counts.sum(1)[:, None])[..., None]
   buf = jnp.where(used, x_MD[pair // A], jnp.zeros((), x_MD.dtype))
-  got = context_parallel.expert_exchange(buf)                # [n,cap,D]
+  got = parallel_maps.expert_exchange(buf)                # [n,cap,D]
   # Each source's rows come sorted by local expert; `E` marks empty slots.
   ends = jnp.cumsum(got_counts, axis=1)
   local = (slot[None, :, None] >= ends[:, None, :]).sum(-1).reshape(-1)
   out = experts(got.reshape(-1, D), local, got_counts)
-  back = context_parallel.expert_exchange(out.reshape(got.shape))
+  back = parallel_maps.expert_exchange(out.reshape(got.shape))
   target = flat // got_counts.shape[1]
   at = _inverse(order) - start[target]
   return jnp.where((at < cap)[:, None],
@@ -421,17 +421,17 @@ def _ragged_exchange(x_MD, flat, order, start, counts, got_counts, cap,
   # The receiving buffer is sized for the worst case; on average M*A of
   # its rows arrive (stated for readers of the compiled program's bytes).
   with jax.named_scope(gmm.ROWS_SCOPE.format(min(MA, n * cap), n * cap)):
-    rows = context_parallel.expert_ragged_exchange(
+    rows = parallel_maps.expert_ragged_exchange(
         _sorted_copies(x_MD, order, _inverse(order), A),
         jnp.zeros((n * cap, D), x_MD.dtype), start, sent,
-        context_parallel.expert_exchange(got_at), got)
+        parallel_maps.expert_exchange(got_at), got)
   ends = jnp.cumsum(got_counts.reshape(-1))                  # by (src, e)
   seg = jnp.searchsorted(ends, jnp.arange(n * cap), "right")
   out = experts(rows, jnp.where(seg < n * E, seg % E, E), got_counts)
   with jax.named_scope(gmm.ROWS_SCOPE.format(min(MA, n * cap), n * cap)):
-    back = context_parallel.expert_ragged_exchange(
+    back = parallel_maps.expert_ragged_exchange(
         out, jnp.zeros((MA, D), out.dtype), got_at, got,
-        context_parallel.expert_exchange(start), sent)       # sorted pairs
+        parallel_maps.expert_exchange(start), sent)       # sorted pairs
   return _permute(back, _inverse(order), order)
 
 
@@ -441,12 +441,12 @@ def _dispatch(x, idx, w, weights, impl, capacity_factor, limit):
   with an `expert` axis, through the experts of every device on that
   axis."""
   D, A = x.shape[-1], idx.shape[-1]
-  if x.ndim != 3 or not context_parallel.under_mesh():
+  if x.ndim != 3 or not parallel_maps.under_mesh():
     return dispatch_swiglu(x.reshape(-1, D), idx.reshape(-1, A),
                            w.reshape(-1, A), *weights, impl=impl,
                            limit=limit).reshape(x.shape)
 
-  shards = context_parallel.expert_size()
+  shards = parallel_maps.expert_size()
 
   def local(x_BTD, idx_BTA, w_BTA, *weights):
     b, t = x_BTD.shape[:2]
@@ -468,9 +468,9 @@ def _dispatch(x, idx, w, weights, impl, capacity_factor, limit):
   tokens = [x, idx, w]
   check_vma = gmm.resolve_impl(impl) != "megablox"
   if shards > 1:
-    return context_parallel.expert_map(local, tokens, list(weights),
+    return parallel_maps.expert_map(local, tokens, list(weights),
                                        check_vma)
-  return context_parallel.token_map(local, tokens, list(weights), check_vma)
+  return parallel_maps.token_map(local, tokens, list(weights), check_vma)
 
 
 class MoE(hk.Module):

@@ -1,25 +1,13 @@
-"""Sharded calls: kernels and sorts per device, and context parallelism.
+"""Context parallelism: rows split along T over the `context` mesh axis.
 
 Shape glossary: B batch rows, T tokens per row (global), H heads, K key dim,
 V value dim, D channels; `n` shards on the `context` mesh axis, `T/n` tokens
 per shard.
 
-The model runs under `jit` (GSPMD) with the batch sharded
-`P((data, fsdp), context)` and the mesh ambient (`jax.set_mesh`). GSPMD
-partitions token-wise XLA work by itself, but it cannot partition a Pallas
-call (Mosaic refuses; a Triton call is replicated) nor a sort of all tokens
-(it replicates it). So, on every mesh, whatever its sizes:
-
-* KDA (`chunk_kda`) runs inside `jax.shard_map` over the row axes (`data`,
-  `fsdp`) and `context`; each device calls the op on its own rows.
-* The MoE dispatch (`token_map`) sorts and multiplies each device's own
-  tokens; with an `expert` axis of size > 1 (`expert_map`) each device
-  holds E/n of the routed experts, and the (token, expert) pairs travel
-  to the devices that own their experts and back (`expert_exchange`,
-  `all_to_all` over `expert`).
-
-With a `context` axis of size n > 1 (context parallelism) the
-sequence-mixing cores also exchange what crosses a shard boundary:
+KDA (`chunk_kda`) runs inside `jax.shard_map` over the row axes and
+`context` on every mesh (`kda_lm.parallel.maps` holds the per-device calls
+and mesh queries); with a `context` axis of size n > 1 the sequence-mixing
+cores also exchange what crosses a shard boundary:
 
 * KDA: per head the recurrence over a shard is affine in the
   state entering it, `S_out = M S_in + C`. One local pass with values
@@ -41,109 +29,17 @@ exchange applies its rule across shard boundaries (see `_keep_state`).
 Outside `jax.set_mesh` every function here is the single-device code.
 """
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from kda_lm import ops
-from kda_lm.ops import gmm
 from kda_lm.ops.kda import api
-from kda_lm.parallel import sharding
+from kda_lm.parallel import maps
 
 P = jax.sharding.PartitionSpec
-CONTEXT_AXIS = sharding.CONTEXT_AXIS
-EXPERT_AXIS = sharding.EXPERT_AXIS
-
-
-def _mesh() -> Optional[Any]:
-  """The ambient (abstract) mesh, or None outside `jax.set_mesh`."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return None if mesh.empty else mesh
-
-
-def under_mesh() -> bool:
-  """Whether a device mesh is ambient (the sharded calls are needed)."""
-  return _mesh() is not None
-
-
-def context_size() -> int:
-  """Shards along T: the ambient mesh's `context` size (1 without one)."""
-  mesh = _mesh()
-  if mesh is None or CONTEXT_AXIS not in mesh.axis_names:
-    return 1
-  return int(mesh.shape[CONTEXT_AXIS])
-
-
-def expert_size() -> int:
-  """Devices the routed experts are split over: the ambient mesh's
-  `expert` size (1 without one)."""
-  mesh = _mesh()
-  if mesh is None or EXPERT_AXIS not in mesh.axis_names:
-    return 1
-  return int(mesh.shape[EXPERT_AXIS])
-
-
-def _batch_axes(mesh) -> tuple[str, ...]:
-  """The mesh axes that shard rows (`data`, `fsdp`, `expert`, those
-  present)."""
-  return tuple(a for a in sharding.ROW_AXES if a in mesh.axis_names)
-
-
-def check_shape(B: int, T: int, what: str) -> int:
-  """Checks that [B,T] rows can be sharded over the ambient mesh.
-
-  Returns:
-    The shard count n along T (1 without a mesh or a `context` axis).
-
-  Raises:
-    ValueError: a mesh with axes other than Auto, or with an axis this
-      module does not know, T not a multiple of the `context` size, or B
-      of the devices the rows are sharded over (`data` x `fsdp` x
-      `expert`).
-  """
-  mesh = _mesh()
-  if mesh is None:
-    return 1
-  auto = jax.sharding.AxisType.Auto
-  if any(t != auto for t in mesh.axis_types):
-    raise ValueError(f"{what} on a device mesh needs Auto axes "
-                     f"(`sharding.make_mesh`), got {mesh.axis_types}.")
-  unknown = [a for a in mesh.axis_names if a not in sharding.AXES]
-  if unknown:
-    raise ValueError(f"{what}: the mesh axis {unknown[0]!r} is none of "
-                     f"{sharding.AXES}; the model cannot shard over it.")
-  n = context_size()
-  rows = 1
-  for axis in _batch_axes(mesh):
-    rows *= int(mesh.shape[axis])
-  if T % n:
-    raise ValueError(f"{what} under context parallelism: T = {T} tokens "
-                     f"per row is not a multiple of mesh.context = {n}.")
-  if B % rows:
-    raise ValueError(f"{what} on the device mesh: B = {B} rows is not a "
-                     f"multiple of the {rows} data x fsdp x expert devices.")
-  return n
-
-
-def _token_axes(mesh) -> tuple[str, ...]:
-  return (CONTEXT_AXIS,) if CONTEXT_AXIS in mesh.axis_names else ()
-
-
-def _row_axes() -> tuple[str, ...]:
-  """The mesh axes a [B,T,...] row array varies over inside `shard_map`."""
-  mesh = _mesh()
-  return _batch_axes(mesh) + _token_axes(mesh)
-
-
-def _row_spec(mesh) -> P:
-  """[B,T,...] arrays: rows over (data, fsdp), tokens over context."""
-  return P(_batch_axes(mesh) or None, _token_axes(mesh) or None)
-
-
-def _shard_map(fn, in_specs, out_specs, check_vma=True):
-  return jax.shard_map(fn, mesh=_mesh(), in_specs=in_specs,
-                       out_specs=out_specs, check_vma=check_vma)
+CONTEXT_AXIS = maps.CONTEXT_AXIS
 
 
 # ---------------------------------------------------------------------------
@@ -195,7 +91,7 @@ def _kda_local(q, k, v, g, beta, segment_ids, h0, A_log, dt_bias, *,
   eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))
   h0_aug = jnp.concatenate([jnp.zeros((B, H, K, V), jnp.float32), eye], -1)
   if check_vma:  # A constant carried next to varying arrays in scans.
-    h0_aug = jax.lax.pcast(h0_aug, _row_axes(), to="varying")
+    h0_aug = jax.lax.pcast(h0_aug, maps.row_axes(), to="varying")
   o_aug, st_aug = ops.chunk_kda(
       q, k, v_aug, g, beta, initial_state=h0_aug, output_final_state=True,
       segment_ids=segment_ids, A_log=A_log, dt_bias=dt_bias, **op_kwargs)
@@ -228,7 +124,7 @@ def _check_kda(B, T, cu_seqlens, impl, bounded):
   if cu_seqlens is not None:
     raise ValueError("chunk_kda on a device mesh takes segment_ids, not "
                      "cu_seqlens (rows are sharded over devices).")
-  n = check_shape(B, T, "chunk_kda")
+  n = maps.check_shape(B, T, "chunk_kda")
   impl = api.resolve_impl(impl, bounded)
   if impl == "reference" and n > 1:
     raise ValueError("chunk_kda under context parallelism needs impl "
@@ -252,8 +148,8 @@ def _kda_rows(q, k, v, g, beta, optional, output_final_state, op_kwargs,
   Returns:
     As `ops.chunk_kda`.
   """
-  mesh = _mesh()
-  rows, batch = _row_spec(mesh), P(_batch_axes(mesh) or None)
+  mesh = maps.ambient_mesh()
+  rows, batch = maps.row_spec(mesh), P(maps.batch_axes(mesh) or None)
   specs = {"segment_ids": rows, "initial_state": batch, "A_log": P(),
            "dt_bias": P()}
 
@@ -264,7 +160,7 @@ def _kda_rows(q, k, v, g, beta, optional, output_final_state, op_kwargs,
     return (o, final) if output_final_state else o
 
   out_specs = (rows, batch) if output_final_state else rows
-  out = _shard_map(local, (rows,) * 5 + ({key: specs[key] for key in
+  out = maps.sharded(local, (rows,) * 5 + ({key: specs[key] for key in
                                           optional},),
                    out_specs, check_vma)(q, k, v, g, beta, optional)
   return out if output_final_state else (out, None)
@@ -285,7 +181,7 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
       that `check_shape` refuses; under context parallelism impl
       "reference"; the op's own checks otherwise.
   """
-  if not under_mesh():
+  if not maps.under_mesh():
     return ops.chunk_kda(
         q, k, v, g, beta, segment_ids=segment_ids,
         initial_state=initial_state, output_final_state=output_final_state,
@@ -310,8 +206,8 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
     segment_ids = jnp.ones((B, T), jnp.int32)
   h0 = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None
         else initial_state.astype(jnp.float32))
-  mesh = _mesh()
-  rows, batch = _row_spec(mesh), P(_batch_axes(mesh) or None)
+  mesh = maps.ambient_mesh()
+  rows, batch = maps.row_spec(mesh), P(maps.batch_axes(mesh) or None)
   use_a, use_dt = A_log is not None, dt_bias is not None
   A_log = jnp.zeros((1,), jnp.float32) if A_log is None else A_log
   dt_bias = jnp.zeros((1,), jnp.float32) if dt_bias is None else dt_bias
@@ -323,8 +219,8 @@ def chunk_kda(q, k, v, g, beta, *, segment_ids=None, initial_state=None,
         dt_bias if use_dt else None, op_kwargs=op_kwargs,
         check_vma=check_vma)
 
-  stacked = P(CONTEXT_AXIS, _batch_axes(mesh) or None)
-  o, final = _shard_map(local, (rows,) * 6 + (batch, P(), P()),
+  stacked = P(CONTEXT_AXIS, maps.batch_axes(mesh) or None)
+  o, final = maps.sharded(local, (rows,) * 6 + (batch, P(), P()),
                         (rows, stacked), check_vma)(
                             q, k, v, g, beta, segment_ids, h0, A_log, dt_bias)
   return o, (final[-1] if output_final_state else None)
@@ -355,7 +251,7 @@ def left_halo_map(fn: Callable[..., jax.Array], x_BTD: jax.Array,
     ValueError: the shapes `check_shape` refuses, or width > T/n.
   """
   B, T, _ = x_BTD.shape
-  n = check_shape(B, T, "The short convolution")
+  n = maps.check_shape(B, T, "The short convolution")
   if width > T // n:
     raise ValueError(f"The short convolution under context parallelism "
                      f"needs T/context = {T // n} >= kernel_size - 1 = "
@@ -369,8 +265,8 @@ def left_halo_map(fn: Callable[..., jax.Array], x_BTD: jax.Array,
               jnp.concatenate([halo(segment_ids), segment_ids], axis=1),
               *params)
 
-  rows = _row_spec(_mesh())
-  return _shard_map(local, (rows, rows) + (P(),) * len(replicated),
+  rows = maps.row_spec(maps.ambient_mesh())
+  return maps.sharded(local, (rows, rows) + (P(),) * len(replicated),
                     rows)(x_BTD, segment_ids, *replicated)
 
 
@@ -392,8 +288,8 @@ def gather_map(fn: Callable[..., jax.Array], local: Sequence[jax.Array],
     [B,T,...] (global).
   """
   B, T = local[0].shape[:2]
-  n = check_shape(B, T, "Attention")
-  rows = _row_spec(_mesh())
+  n = maps.check_shape(B, T, "Attention")
+  rows = maps.row_spec(maps.ambient_mesh())
   nl, ng = len(local), len(gathered)
 
   def body(*args):
@@ -404,7 +300,7 @@ def gather_map(fn: Callable[..., jax.Array], local: Sequence[jax.Array],
     return fn(offset.astype(jnp.int32), list(mine), whole, list(params))
 
   specs = (rows,) * (nl + ng) + (P(),) * len(replicated)
-  return _shard_map(body, specs, rows)(*local, *gathered, *replicated)
+  return maps.sharded(body, specs, rows)(*local, *gathered, *replicated)
 
 
 def swap_with_mirror(x: jax.Array, n: int) -> jax.Array:
@@ -420,131 +316,3 @@ def swap_with_mirror(x: jax.Array, n: int) -> jax.Array:
   """
   return jax.lax.ppermute(x, CONTEXT_AXIS,
                           [(s, n - 1 - s) for s in range(n)])
-
-
-def token_map(fn: Callable[..., jax.Array], tokens: Sequence[jax.Array],
-              replicated: Sequence[jax.Array], check_vma: bool = True
-              ) -> jax.Array:
-  """Runs a token-wise `fn` on each device's tokens (`fn` itself outside
-  a mesh).
-
-  For computations GSPMD would not partition (a sort of all the tokens and
-  the grouped-matmul kernels of the MoE dispatch), so that each device
-  works on its own rows and its own slice of T.
-
-  Args:
-    fn: `fn(*tokens, *replicated)` on the shard's [B,T/n,...] slices,
-      returning [B,T/n,...].
-    tokens: [B,T,...] arrays (global).
-    replicated: arrays every shard receives whole (parameters).
-    check_vma: shard_map's varying-axes check; False when `fn` makes a
-      Pallas call (its outputs carry no varying-axes type).
-
-  Returns:
-    [B,T,...] (global).
-  """
-  if not under_mesh():
-    return fn(*tokens, *replicated)
-  B, T = tokens[0].shape[:2]
-  check_shape(B, T, "A token-wise layer")
-  rows = _row_spec(_mesh())
-  specs = (rows,) * len(tokens) + (P(),) * len(replicated)
-  return _shard_map(fn, specs, rows, check_vma)(*tokens, *replicated)
-
-
-def row_sum_map(fn: Callable[..., tuple[Any, Any]],
-                tokens: Sequence[jax.Array],
-                replicated: Sequence[jax.Array]) -> tuple[Any, Any]:
-  """Runs `fn` on each device's rows; sums its `summed` outputs over them.
-
-  For the LM head and the loss: each device multiplies its own rows'
-  hidden states by the whole head (GSPMD, left alone, may instead gather
-  the whole batch's logits onto every device when the head's vocabulary
-  and the rows are split over the same axis).
-
-  Args:
-    fn: `fn(*tokens, *replicated) -> (summed, per_token)` on the shard's
-      [B,T/n,...] slices and the whole `replicated` arrays: `summed` a
-      pytree of arrays to add up over the devices (sums, a parameter's
-      gradient), `per_token` one of [B,T/n,...] arrays.
-    tokens: [B,T,...] arrays (global).
-    replicated: arrays every device receives whole (parameters).
-
-  Returns:
-    (`summed` added over every device's rows, `per_token` [B,T,...]
-    global). Outside a mesh, `fn(*tokens, *replicated)`.
-  """
-  if not under_mesh():
-    return fn(*tokens, *replicated)
-  B, T = tokens[0].shape[:2]
-  check_shape(B, T, "The LM head and loss")
-  rows, axes = _row_spec(_mesh()), _row_axes()
-
-  def body(*args):
-    summed, per_token = fn(*args)
-    return jax.tree.map(lambda x: x[None], summed), per_token
-
-  # One slice per device along a new leading axis, added up outside:
-  # GSPMD then reduces (or reduce-scatters) into the caller's layout. No
-  # varying-axes check: `fn`'s accumulators start as constants, and
-  # nothing differentiates through this map (the loss's custom_vjp
-  # calls it for its gradient).
-  specs = (rows,) * len(tokens) + (P(),) * len(replicated)
-  summed, per_token = _shard_map(body, specs, (P(axes), rows), False)(
-      *tokens, *replicated)
-  return jax.tree.map(lambda x: x.sum(0), summed), per_token
-
-
-def expert_map(fn: Callable[..., jax.Array], tokens: Sequence[jax.Array],
-               experts: Sequence[jax.Array], check_vma: bool = True
-               ) -> jax.Array:
-  """`token_map` with the routed experts split over the `expert` axis.
-
-  Args:
-    fn: `fn(*tokens, *experts)` on the shard's [B,T/n,...] slices and its
-      E/n experts ([E/n,...] slices of each expert array), returning
-      [B,T/n,...]; it exchanges tokens with `expert_exchange`.
-    tokens: [B,T,...] arrays (global).
-    experts: [E,...] arrays (global), split along E over `expert`.
-    check_vma: shard_map's varying-axes check (False for Pallas calls).
-
-  Returns:
-    [B,T,...] (global).
-
-  Raises:
-    ValueError: the shapes `check_shape` refuses, or E not a multiple of
-      the `expert` size.
-  """
-  B, T = tokens[0].shape[:2]
-  check_shape(B, T, "The expert-parallel MoE")
-  sharding.check_expert_axis(expert_size(), experts[0].shape[0])
-  rows = _row_spec(_mesh())
-  specs = (rows,) * len(tokens) + (P(EXPERT_AXIS),) * len(experts)
-  return _shard_map(fn, specs, rows, check_vma)(*tokens, *experts)
-
-
-def ragged_exchange_supported() -> bool:
-  """Whether the backend runs `ragged_all_to_all` (TPU and GPU; XLA:CPU
-  has no implementation, so CPU runs exchange padded buffers)."""
-  return jax.default_backend() != "cpu"
-
-
-def expert_ragged_exchange(operand: jax.Array, output: jax.Array,
-                           input_offsets: jax.Array, send_sizes: jax.Array,
-                           output_offsets: jax.Array, recv_sizes: jax.Array
-                           ) -> jax.Array:
-  """Inside `expert_map`'s `fn`: `jax.lax.ragged_all_to_all` over
-  `expert`. Rows `operand[input_offsets[j]:][:send_sizes[j]]` go to shard
-  j, which writes them at its row `output_offsets[j]`; returns `output`
-  with the `recv_sizes[s]` rows from each shard s written in."""
-  output = gmm.varying_like(output, operand)
-  return jax.lax.ragged_all_to_all(operand, output, input_offsets,
-                                   send_sizes, output_offsets, recv_sizes,
-                                   axis_name=EXPERT_AXIS)
-
-
-def expert_exchange(x: jax.Array) -> jax.Array:
-  """Inside `expert_map`'s `fn`: `x[j]` ([n,...], one slice per `expert`
-  shard) goes to shard j; returns [n,...] whose slice s came from shard s
-  (its `x[me]`). Its own inverse: a second call sends replies back."""
-  return jax.lax.all_to_all(x, EXPERT_AXIS, 0, 0)

@@ -81,7 +81,7 @@ def _under_mesh(mesh: jax.sharding.Mesh, fn: Callable[..., Any]
                 ) -> Callable[..., Any]:
   """`fn` traced and run under `jax.set_mesh(mesh)`: the layers find the
   mesh there and run their kernels and sorts per device
-  (`kda_lm.parallel.context`)."""
+  (`kda_lm.parallel.maps`, `kda_lm.parallel.context`)."""
 
   @functools.wraps(fn)
   def call(*args, **kwargs):
