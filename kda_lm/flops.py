@@ -72,12 +72,20 @@ def count_params(model_config: Any, params: Any = None) -> dict[str, int]:
 
 def step_flops(model_config: Any, B: int, T: int,
                params: Any = None) -> float:
-  """Training FLOPs of one step of B rows of T tokens (all devices)."""
+  """Training FLOPs of one step of B rows of T tokens (all devices): the
+  main stack, the MTP layers, and the LM head once for the main output
+  and once per MTP layer (a tied head is the embedding table, which
+  `count_params` leaves out of `activated`)."""
   cfg = config_lib.ModelConfig.from_config(model_config)
-  activated = count_params(model_config, params)["activated"]
-  matmul = 6.0 * activated * B * T
+  counts = count_params(model_config, params)
+  n_mtp = cfg.num_mtp_layers
+  heads = (1 + n_mtp if cfg.tie_embeddings else n_mtp) * (
+      cfg.d_model * cfg.vocab_size)
+  matmul = 6.0 * (counts["activated"] + counts["mtp_activated"] + heads
+                  ) * B * T
   pairs = B * T * (T + 1) / 2.0                 # causal query-key pairs
-  mla_layers = cfg.attention_pattern.count("M")
+  kinds = cfg.attention_pattern + cfg.mtp_layer_kind * n_mtp
+  mla_layers = kinds.count("M")
   mla = 3.0 * mla_layers * pairs * 2 * cfg.mla_num_heads * (
       cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
   H, K, V = cfg.num_heads, cfg.head_dim, cfg.kda_head_v_dim
@@ -85,7 +93,7 @@ def step_flops(model_config: Any, B: int, T: int,
   # Per token and head: q k^T and k k^T over the chunk (causal half), the
   # intra-chunk outputs, and the q S, k S and k^T v state products.
   kda_token = 2 * (C / 2) * K * 2 + 2 * (C / 2) * V + 3 * 2 * K * V
-  kda = 3.0 * cfg.attention_pattern.count("K") * B * T * H * kda_token
+  kda = 3.0 * kinds.count("K") * B * T * H * kda_token
   return matmul + mla + kda
 
 

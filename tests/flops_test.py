@@ -49,3 +49,23 @@ def test_step_flops_scale_with_rows_and_grow_with_t():
   assert flops.step_flops(cfg, 1, 128) > 2 * one
   activated = flops.count_params(cfg)["activated"]
   assert one > 6 * activated * 64
+
+
+def test_step_flops_count_every_head_and_the_mtp_layers():
+  """The LM head runs for the main output and each MTP layer; an MTP layer
+  costs its parameters and its attention core; a tied head (the
+  embedding table) costs what an untied one does."""
+  B, T = 2, 64
+  base = helpers.tiny_config(attention_pattern="KM")
+  mtp = helpers.tiny_config(attention_pattern="KM", num_mtp_layers=1,
+                            mtp_layer_kind="M")
+  only_m = helpers.tiny_config(attention_pattern="M")
+  mla_core = (flops.step_flops(only_m, B, T)
+              - 6 * flops.count_params(only_m)["activated"] * B * T)
+  head = mtp.d_model * mtp.vocab_size
+  want = 6 * (flops.count_params(mtp)["mtp_activated"] + head) * B * T
+  assert flops.step_flops(mtp, B, T) - flops.step_flops(base, B, T) == (
+      pytest.approx(want + mla_core))
+  tied = helpers.tiny_config(**dict(mtp, tie_embeddings=True))
+  assert flops.step_flops(tied, B, T) == pytest.approx(
+      flops.step_flops(mtp, B, T))
