@@ -55,7 +55,8 @@ def test_rewriting_the_fixture_is_byte_identical(tmp_path):
 
 @pytest.mark.parametrize("size,want", [
     ("5GB", 5 * 10**9), ("200KiB", 200 * 2**10), ("1000", 1000),
-    (123, 123), ("1.5MB", 1_500_000)])
+    (123, 123), ("1.5MB", 1_500_000), ("3MiB", 3 * 2**20),
+    ("2GiB", 2 * 2**30), ("7KB", 7000), ("9B", 9)])
 def test_parse_size(size, want):
   assert safetensors_io.parse_size(size) == want
 
@@ -69,6 +70,46 @@ def test_bad_files_are_named(tmp_path):
     safetensors_io.weight_map(str(tmp_path))
   with pytest.raises(ValueError, match="max_shard_size"):
     safetensors_io.parse_size("5 parsecs")
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"", "too short"), (b"\x05\x00\x00", "too short"),
+    ((7).to_bytes(8, "little") + b"{nope}!", "malformed safetensors header"),
+])
+def test_a_file_that_is_not_safetensors_is_named(tmp_path, content, message):
+  path = tmp_path / safetensors_io.SINGLE
+  path.write_bytes(content)
+  with pytest.raises(ValueError, match=f"model.safetensors .*{message}"):
+    safetensors_io.weight_map(str(tmp_path))
+
+
+@pytest.mark.parametrize("end", [12, 20])
+def test_a_tensor_whose_bytes_disagree_with_its_shape_is_named(tmp_path,
+                                                               end):
+  """A [4] float32 tensor holds 16 bytes: a header giving it fewer or
+  more is refused, not read short or past its neighbour."""
+  header = json.dumps({"w": {"dtype": "F32", "shape": [4],
+                             "data_offsets": [0, end]}}).encode()
+  (tmp_path / safetensors_io.SINGLE).write_bytes(
+      len(header).to_bytes(8, "little") + header + bytes(end))
+  wmap = safetensors_io.weight_map(str(tmp_path))
+  with pytest.raises(ValueError, match="'w' in model.safetensors: its data "
+                     "size does not match"):
+    list(safetensors_io.iter_tensors(str(tmp_path), wmap))
+
+
+def test_shards_are_numbered_from_1_and_aligned(tmp_path):
+  """`model-0000k-of-0000n.safetensors` for k = 1..n, as transformers
+  names them, and every file's data starts on an 8-byte boundary (the
+  header padded with spaces, as the format asks)."""
+  tensors = [(f"t{i}", np.full(i + 1, i, np.float32)) for i in range(3)]
+  files = safetensors_io.write(str(tmp_path), iter(tensors),
+                               max_shard_size=8)
+  assert files == [f"model-0000{k}-of-00003.safetensors"
+                   for k in (1, 2, 3)] + [safetensors_io.INDEX]
+  for name in files[:-1]:
+    _, start = safetensors_io.read_header(str(tmp_path / name))
+    assert start % 8 == 0, (name, start)
 
 
 def test_shards_respect_max_shard_size_and_fill_up(tmp_path):
@@ -95,3 +136,15 @@ def test_shards_respect_max_shard_size_and_fill_up(tmp_path):
                                                              following)
   assert held[0] == [("t00", 40), ("t01", 60)]
   assert [k for shard in held for k, _ in shard] == [k for k, _ in tensors]
+
+
+def test_a_shard_never_exceeds_the_limit_by_one_byte(tmp_path):
+  """60 + 41 bytes do not fit a 100-byte shard; 60 + 40 do."""
+  for second, shards in ((41, 2), (40, 1)):
+    folder = tmp_path / str(second)
+    folder.mkdir()
+    tensors = [("a", np.zeros(60, np.uint8)), ("b", np.zeros(second,
+                                                            np.uint8))]
+    files = safetensors_io.write(str(folder), iter(tensors),
+                                 max_shard_size=100)
+    assert len([f for f in files if f != safetensors_io.INDEX]) == shards
