@@ -139,12 +139,29 @@ def test_shards_respect_max_shard_size_and_fill_up(tmp_path):
 
 
 def test_a_shard_never_exceeds_the_limit_by_one_byte(tmp_path):
-  """60 + 41 bytes do not fit a 100-byte shard; 60 + 40 do."""
-  for second, shards in ((41, 2), (40, 1)):
-    folder = tmp_path / str(second)
+  """60 + 41 bytes do not fit a 100-byte shard; 60 + 40 do: in the first
+  shard and in a later one."""
+  for sizes, shards in (((60, 41), 2), ((60, 40), 1),
+                        ((100, 60, 41), 3), ((100, 60, 40), 2)):
+    folder = tmp_path / "-".join(map(str, sizes))
     folder.mkdir()
-    tensors = [("a", np.zeros(60, np.uint8)), ("b", np.zeros(second,
-                                                            np.uint8))]
+    tensors = [(f"t{i}", np.zeros(n, np.uint8)) for i, n in enumerate(sizes)]
     files = safetensors_io.write(str(folder), iter(tensors),
                                  max_shard_size=100)
     assert len([f for f in files if f != safetensors_io.INDEX]) == shards
+
+
+def test_one_shard_has_no_index_and_two_have_one(tmp_path):
+  """One shard is `model.safetensors` alone; two or more get the index.
+  No tensors at all still make one (empty) `model.safetensors`."""
+  one, two, none = (tmp_path / d for d in ("one", "two", "none"))
+  for d in (one, two, none):
+    d.mkdir()
+  tensors = [("a", np.zeros(8, np.uint8)), ("b", np.zeros(8, np.uint8))]
+  assert safetensors_io.write(str(one), iter(tensors)) == [
+      safetensors_io.SINGLE]
+  assert safetensors_io.write(str(two), iter(tensors), max_shard_size=8) == [
+      "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+      safetensors_io.INDEX]
+  assert safetensors_io.write(str(none), iter([])) == [safetensors_io.SINGLE]
+  assert safetensors_io.weight_map(str(none)) == {}
