@@ -5,6 +5,7 @@ the resumed run continues bit for bit; time-based checkpoints."""
 import os
 import signal
 import subprocess
+import threading
 import time
 
 from absl import logging
@@ -146,3 +147,70 @@ def test_sigterm_saves_the_step_and_resumes_bit_for_bit(
   assert sorted(got) == list(range(1, n + 1))
   np.testing.assert_array_equal([got[s] for s in range(1, n + 1)],
                                 [want[s] for s in range(1, n + 1)])
+
+
+def test_save_clock_measures_the_interval_from_the_last_save():
+  """Due `every_seconds` after the last save, whatever the clock's origin
+  (a clock started at 10 s is due at 40 s)."""
+  now = [10.0]
+  clock = preemption.SaveClock(30.0, clock=lambda: now[0])
+  now[0] = 39.0
+  assert not clock.due()
+  now[0] = 40.0
+  assert clock.due()
+  clock.saved()
+  now[0] = 69.0
+  assert not clock.due()
+
+
+@pytest.mark.parametrize("processes", [1, 2, 4])
+def test_several_processes_take_process_0s_answer(monkeypatch, processes):
+  """With several processes the clock's answer and the stopping step come
+  from the collectives (process 0's clock; JAX's preemption sync point),
+  which a single process never calls."""
+  calls = []
+  monkeypatch.setattr(preemption.jax, "process_count", lambda: processes)
+
+  def broadcast(x):
+    calls.append("broadcast")
+    return np.logical_not(x)        # Process 0's clock disagrees.
+
+  def sync_point(step):
+    calls.append("sync")
+    return step == 3
+
+  monkeypatch.setattr(preemption.multihost_utils, "broadcast_one_to_all",
+                      broadcast)
+  monkeypatch.setattr(preemption.multihost_utils,
+                      "reached_preemption_sync_point", sync_point)
+  several = processes > 1
+  now = [0.0]
+  clock = preemption.SaveClock(30.0, clock=lambda: now[0])
+  now[0] = 31.0
+  assert clock.due() == (not several)
+  stop = preemption.Preemption()
+  assert stop.multi_process == several
+  assert [stop.reached(step) for step in (2, 3)] == (
+      [False, True] if several else [False, False])
+  assert stop.signal_name == ("SIGTERM" if several else None)
+  assert calls == (["broadcast", "sync", "sync"] if several else [])
+
+
+def test_preemption_outside_the_main_thread_leaves_signals_alone():
+  """Python refuses signal handlers outside the main thread; the loop run
+  from a thread (a notebook's worker) still works, without them."""
+  before = signal.getsignal(signal.SIGTERM)
+  errors, flags = [], []
+
+  def run():
+    try:
+      with preemption.Preemption(multi_process=False) as stop:
+        flags.append(stop.reached(1))
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      errors.append(e)
+
+  thread = threading.Thread(target=run)
+  thread.start()
+  thread.join()
+  assert not errors and flags == [False]
+  assert signal.getsignal(signal.SIGTERM) is before
