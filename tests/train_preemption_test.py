@@ -214,3 +214,9 @@ def test_preemption_outside_the_main_thread_leaves_signals_alone():
   thread.join()
   assert not errors and flags == [False]
   assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_preempted_exit_status_is_ex_tempfail():
+  """Schedulers and wrappers retry on "try again later": the documented
+  status is 75 (`os.EX_TEMPFAIL`), not any number the loop agrees on."""
+  assert preemption.PREEMPTED_EXIT == os.EX_TEMPFAIL == 75
