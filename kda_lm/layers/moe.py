@@ -29,14 +29,17 @@ Expert parallelism (a mesh `expert` axis of n > 1 devices,
 `expert_parallel_swiglu`): each device holds E/n experts. It sorts its
 own pairs by expert, which puts them in the order of the devices owning
 the experts, exchanges the per-expert pair counts with every device, then
-the pairs' token vectors (`all_to_all` over `expert` of an [n, cap, D]
-buffer: slot j holds the pairs for device j), runs its local experts as
-grouped matmuls over what it received, and sends the results back the
-same way. By default no pair is dropped: a device sends at most `cap = M
-* min(A, E/n)` pairs to one device (a token's A experts are distinct), so
-the buffer always holds them; the price is that bound's padding in the
-buffer, the exchange and the grouped matmuls' rows (n times the pairs
-when E/n >= A). With a capacity factor c (`capacity_factor`, logged when
+the pairs' token vectors over `expert`: on TPU and GPU with
+`ragged_all_to_all`, only the real rows, packed by source into a buffer
+of n*cap rows (`_ragged_exchange`); on CPU, which cannot run it, with
+`all_to_all` of an [n, cap, D] buffer whose slot j holds the pairs for
+device j (`_padded_exchange`). It runs its local experts as grouped
+matmuls over what it received and sends the results back the same way.
+By default no pair is dropped: a device sends at most `cap = M * min(A,
+E/n)` pairs to one device (a token's A experts are distinct), so the
+buffers always hold them; the price is that bound's memory (n times the
+pairs when E/n >= A; on CPU the padding also moves). With a capacity
+factor c (`capacity_factor`, logged when
 traced) `cap = min(that, ceil(c * M * A / n))`: of the pairs a device
 sends to one device, those past `cap` in expert order are dropped (they
 add nothing to their token's output); see docs/expert_parallel.md.
@@ -351,7 +354,7 @@ def expert_parallel_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
   # Pairs kept per target expert: the first `cap` to each device.
   before = jnp.cumsum(counts, axis=1) - counts
   counts = jnp.clip(cap - before, 0, counts)
-  got_counts = parallel_maps.expert_exchange(counts)      # [n,E] by src
+  got_counts = parallel_maps.expert_exchange(counts)         # [n,E] by src
   # Over the `expert` group every device receives M*A rows on average.
   experts = functools.partial(_local_experts, weights=(
       w_gate_EDF, w_up_EDF, w_down_EFD), impl=impl, limit=limit,
@@ -392,7 +395,7 @@ def _padded_exchange(x_MD, flat, order, start, counts, got_counts, cap,
   pair = order[jnp.minimum(start[:, None] + slot, MA - 1)]   # [n,cap]
   used = (slot < counts.sum(1)[:, None])[..., None]
   buf = jnp.where(used, x_MD[pair // A], jnp.zeros((), x_MD.dtype))
-  got = parallel_maps.expert_exchange(buf)                # [n,cap,D]
+  got = parallel_maps.expert_exchange(buf)                   # [n,cap,D]
   # Each source's rows come sorted by local expert; `E` marks empty slots.
   ends = jnp.cumsum(got_counts, axis=1)
   local = (slot[None, :, None] >= ends[:, None, :]).sum(-1).reshape(-1)
@@ -418,21 +421,23 @@ def _ragged_exchange(x_MD, flat, order, start, counts, got_counts, cap,
   sent = counts.sum(1)                                       # [n] to each
   got = got_counts.sum(1)                                    # [n] from each
   got_at = jnp.cumsum(got) - got
+  inverse = _inverse(order)
   # The receiving buffer is sized for the worst case; on average M*A of
   # its rows arrive (stated for readers of the compiled program's bytes).
-  with jax.named_scope(gmm.ROWS_SCOPE.format(min(MA, n * cap), n * cap)):
+  scope = gmm.ROWS_SCOPE.format(min(MA, n * cap), n * cap)
+  with jax.named_scope(scope):
     rows = parallel_maps.expert_ragged_exchange(
-        _sorted_copies(x_MD, order, _inverse(order), A),
+        _sorted_copies(x_MD, order, inverse, A),
         jnp.zeros((n * cap, D), x_MD.dtype), start, sent,
         parallel_maps.expert_exchange(got_at), got)
   ends = jnp.cumsum(got_counts.reshape(-1))                  # by (src, e)
   seg = jnp.searchsorted(ends, jnp.arange(n * cap), "right")
   out = experts(rows, jnp.where(seg < n * E, seg % E, E), got_counts)
-  with jax.named_scope(gmm.ROWS_SCOPE.format(min(MA, n * cap), n * cap)):
+  with jax.named_scope(scope):
     back = parallel_maps.expert_ragged_exchange(
         out, jnp.zeros((MA, D), out.dtype), got_at, got,
-        parallel_maps.expert_exchange(start), sent)       # sorted pairs
-  return _permute(back, _inverse(order), order)
+        parallel_maps.expert_exchange(start), sent)          # sorted pairs
+  return _permute(back, inverse, order)
 
 
 def _dispatch(x, idx, w, weights, impl, capacity_factor, limit):
