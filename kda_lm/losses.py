@@ -3,8 +3,10 @@ the segment-aware multi-token-prediction loss, and the one eval step that
 training and `kda_lm.infer.evaluate` share.
 
 Each takes either logits or, with the LM head's weight, the final hidden
-states: then the head and the cross-entropy run over `chunks` strided
-pieces of the rows, so that no [B,T,W] float32 logits are held
+states: then the head and the cross-entropy run inside `jax.shard_map` on
+each device's own rows (`parallel.maps.row_sum_map`: no mesh can make
+GSPMD gather the batch's logits), over `chunks` strided pieces of the
+rows, so that no [B,T,W] float32 logits are held
 (`config.train.loss_chunks`). There the gradient wrt the hidden states and
 the head is made in the same pass as the loss, from each piece's logits
 while they exist: three matmuls per piece instead of four (the forward,
@@ -244,10 +246,11 @@ def make_eval_step(model: Any, token_bytes: Optional[Any] = None,
     token_bytes: float `[W]` bytes per token id (`pipeline.token_bytes`);
       None counts one byte per scored token.
     head_weight: `params -> head_DW` (the LM head's weight,
-      `kda_lm.model.head_weight`), or None: the model then returns hidden
-      states and the head runs inside the loss, each device on its own
-      rows, in `chunks` pieces of each row, as the training loss does
-      (`config.train.loss_chunks`); None reads the model's logits.
+      `kda_lm.model.head_weight`): the model then returns hidden states
+      and the head runs inside the loss, each device on its own rows, in
+      `chunks` pieces of each row, as the training loss does
+      (`config.train.loss_chunks`). None: the loss reads the model's
+      logits (`chunks` must be 1).
     chunks: pieces per row (must divide T).
 
   Raises:
