@@ -61,8 +61,6 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2,
                "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
                "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_ROWS = re.compile(
-    r"\b" + gmm.ROWS_SCOPE.format(r"(\d+)", r"(\d+)") + r"\b")
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _INSTRUCTION = re.compile(
     r"=\s*(\([^=]*?\)|\S+)\s+(" + "|".join(
@@ -108,10 +106,8 @@ def _arriving_rows(line, dims):
   """The rows of a ragged all-to-all's result that arrive: R where its
   name scope states R of dims[0], else all of them."""
   op_name = _OP_NAME.search(line)
-  rows = _ROWS.findall(op_name.group(1)) if op_name else []
-  if rows and int(rows[-1][1]) == dims[0]:
-    return int(rows[-1][0])
-  return dims[0]
+  rows = gmm.stated_rows(op_name.group(1)) if op_name else None
+  return rows[0] if rows and rows[1] == dims[0] else dims[0]
 
 
 def collective_bytes(hlo_text, select=None):

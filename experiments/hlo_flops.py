@@ -69,7 +69,6 @@ _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 # The scope may be wrapped by a transformation's name: `jvp(<scope>)/`.
 _MAX_TRIPS = re.compile(r"\b" + gmm.MAX_TRIPS_SCOPE.format(r"(\d+)") + r"\b")
-_ROWS = re.compile(r"\b" + gmm.ROWS_SCOPE.format(r"(\d+)", r"(\d+)") + r"\b")
 
 
 def _dims(shape_text):
@@ -146,10 +145,9 @@ def _custom_call(out, operands, rest, shapes):
   if not flops:
     return 0
   op_name = _OP_NAME.search(rest)
-  rows = _ROWS.findall(op_name.group(1)) if op_name else []
+  rows = gmm.stated_rows(op_name.group(1)) if op_name else None
   if rows:
-    covered, total = map(int, rows[-1])
-    return int(flops.group(1)) * covered // total
+    return int(flops.group(1)) * rows[0] // rows[1]
   return int(flops.group(1))
 
 

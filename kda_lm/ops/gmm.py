@@ -36,6 +36,7 @@ Every call with rows sharded over devices must run inside `jax.shard_map`
 
 import functools
 import importlib
+import re
 from typing import Optional
 
 import jax
@@ -134,6 +135,13 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 # grids visit only the tiles that hold rows, so a reader of the compiled
 # program's cost (experiments/hlo_flops.py) scales them by R / M.
 ROWS_SCOPE = "gmm_rows_{}_of_{}"
+_ROWS = re.compile(r"\b" + ROWS_SCOPE.format(r"(\d+)", r"(\d+)") + r"\b")
+
+
+def stated_rows(op_name: str) -> Optional[tuple[int, int]]:
+  """(R, M) of the innermost `ROWS_SCOPE` in a JAX op name, or None."""
+  found = _ROWS.findall(op_name)
+  return tuple(map(int, found[-1])) if found else None
 
 
 def _megablox(lhs, rhs, group_sizes, tm, rows):
