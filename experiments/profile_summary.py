@@ -92,15 +92,16 @@ def device_op_ns(xspace_path):
   return totals
 
 
-def summarise(op_ns, instructions, steps):
-  """Rows (part, seconds per step, top ops) from `device_op_ns`'s totals."""
+def summarise(op_ns, instructions, steps, top=25):
+  """Rows (part, seconds per step, its `top` ops by time) from
+  `device_op_ns`'s totals."""
   parts = collections.defaultdict(collections.Counter)
   for name, ns in op_ns.items():
     opcode, op_name = instructions.get(name, ("", ""))
     if opcode in _CONTAINERS:
       continue
     parts[part_of(op_name)][f"{name} ({opcode}) {op_name[-70:]}"] += ns
-  rows = [(part, sum(ops.values()) / steps / 1e9, ops.most_common(3))
+  rows = [(part, sum(ops.values()) / steps / 1e9, ops.most_common(top))
           for part, ops in parts.items()]
   return sorted(rows, key=lambda r: -r[1])
 

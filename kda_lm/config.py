@@ -391,6 +391,12 @@ class TrainConfig:
   # eval step. Must divide T (and T/n the context axis). 1 = the model
   # returns logits as usual.
   loss_chunks: int = 1
+  # Also log `update_norm`, the global norm of the optimizer's update. Off
+  # by default: it is one more pass over every parameter's update, which
+  # XLA cannot fuse into the update itself (7% of the 4-layer benchmark
+  # step on a TPU v5e, docs/performance.md). `grad_norm` is always logged:
+  # the clipping computes it anyway.
+  log_update_norm: bool = False
 
   def __post_init__(self):
     for name in ("num_steps", "log_every", "grad_accum_steps",

@@ -189,11 +189,26 @@ def test_nan_loss_stops_without_saving(tmp_path, data_dir, cache_dir,
                       lambda *a, **k: Poisoned(make(*a, **k)))
   workdir = str(tmp_path / "run")
   config = tiny_config(data_dir, train__num_steps=6, train__log_every=3,
-                       checkpoint__every_steps=1, eval__every_steps=0)
-  with pytest.raises(FloatingPointError, match="loss at step 3"):
+                       checkpoint__every_steps=1, eval__every_steps=0,
+                       train__log_update_norm=True)
+  with pytest.raises(FloatingPointError,
+                     match=r"loss at step 3 \(loss=nan, grad_norm=nan, "
+                           r"update_norm=nan\)"):
     train_loop.train_and_evaluate(config, workdir)
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [
       "1", "2"]
+
+
+def test_non_finite_error_names_the_first_bad_metric_it_logs():
+  err = train_loop._non_finite_error(  # pylint: disable=protected-access
+      4, {"loss": 1.0, "grad_norm": float("inf"), "lr": 0.1}, 2)
+  assert "Non-finite grad_norm at step 4 (loss=1.0, grad_norm=inf)." in (
+      str(err))
+  assert "the latest checkpoint is step 2" in str(err)
+  err = train_loop._non_finite_error(  # pylint: disable=protected-access
+      5, {"loss": 1.0, "grad_norm": 2.0, "update_norm": float("nan")}, None)
+  assert "Non-finite update_norm at step 5" in str(err)
+  assert "no checkpoint was saved" in str(err)
 
 
 # Four fake devices, one process: runs given as JSON

@@ -96,6 +96,30 @@ def test_update_loss_counts_only_masked_positions():
   np.testing.assert_allclose(step_metrics["accuracy"], want_acc, rtol=1e-6)
 
 
+def test_update_norm_is_logged_only_when_asked():
+  """`update_norm` is the update's global norm, and costs a pass of its
+  own, so a step makes it only with `update_norm=True`."""
+  rng = np.random.default_rng(2)
+  vocab = 7
+  batch = _table_batch(rng, vocab, 2, 8, 9)
+  params = {"table": rng.standard_normal((vocab, vocab)).astype(np.float32)}
+  tx = optax.sgd(0.5)
+  state = state_lib.TrainState(params, tx.init(params), jax.random.key(0),
+                              jax.numpy.zeros((), jax.numpy.int32))
+  metrics = {}
+  for flag in (False, True):
+    update = jax.jit(step_lib.make_update_fn(_TableModel(), tx,
+                                             lambda step: 0.5,
+                                             update_norm=flag))
+    new, metrics[flag] = update(state, batch)
+  assert "update_norm" not in metrics[False]
+  moved = np.linalg.norm(new.params["table"] - params["table"])
+  np.testing.assert_allclose(metrics[True]["update_norm"], moved, rtol=1e-5)
+  np.testing.assert_allclose(metrics[True]["grad_norm"], moved / 0.5,
+                             rtol=1e-5)
+  assert metrics[True]["grad_norm"] == metrics[False]["grad_norm"]
+
+
 def test_evaluate_pools_sums_over_all_batches():
   """Batches of 5, 13, 0 and 1 real tokens: pooled over tokens, not batches."""
   rng = np.random.default_rng(2)

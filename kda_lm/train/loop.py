@@ -18,9 +18,10 @@ evaluate and save). `train_and_evaluate` sets up, restores the newest complete
   checkpoint every `checkpoint.every_steps` steps and at the end.
 
 Output in `workdir`: `config.json`, `metrics.jsonl` (train rows: `step`,
-`loss`, `accuracy`, `grad_norm`, `update_norm`, `lr`, `tokens_per_s`,
-`wall_s`; with MTP also `mtp_loss`, with MoE `moe_load_max`,
-`moe_load_min`, `moe_load_imbalance` (see `moe.load_metrics`); eval rows:
+`loss`, `accuracy`, `grad_norm`, `lr`, `tokens_per_s`, `wall_s`; with
+`train.log_update_norm` also `update_norm`; with MTP also `mtp_loss`, with
+MoE `moe_load_max`, `moe_load_min`, `moe_load_imbalance` (see
+`moe.load_metrics`); eval rows:
 `step`, `eval_loss`, `eval_accuracy`, `eval_tokens`, `wall_s`),
 `checkpoints/`, optionally `tensorboard/`. `step` counts completed updates;
 a train row averages the steps since the previous row.
@@ -62,19 +63,21 @@ from kda_lm.train import step as step_lib
 
 TrainState = state_lib.TrainState
 
+# The metrics a step must keep finite (`update_norm` when it is logged).
+_FINITE = ("loss", "grad_norm", "update_norm")
+
 
 def _non_finite_error(step: int, values: Mapping[str, float],
                       last_checkpoint: int | None) -> FloatingPointError:
-  what = next(k for k in ("loss", "grad_norm", "update_norm")
-              if not np.isfinite(values[k]))
+  checked = [k for k in _FINITE if k in values]
+  what = next(k for k in checked if not np.isfinite(values[k]))
   saved = ("no checkpoint was saved" if last_checkpoint is None else
            f"the latest checkpoint is step {last_checkpoint}")
+  shown = ", ".join(f"{k}={values[k]}" for k in checked)
   return FloatingPointError(
-      f"Non-finite {what} at step {step} (loss={values['loss']}, "
-      f"grad_norm={values['grad_norm']}, "
-      f"update_norm={values['update_norm']}). Training stopped before "
-      f"saving step {step}; {saved}. Try a lower config.opt.peak_lr or "
-      f"config.opt.clip_norm.")
+      f"Non-finite {what} at step {step} ({shown}). Training stopped "
+      f"before saving step {step}; {saved}. Try a lower config.opt.peak_lr "
+      f"or config.opt.clip_norm.")
 
 
 def _under_mesh(mesh: jax.sharding.Mesh, fn: Callable[..., Any]
@@ -127,7 +130,8 @@ def build_steps(cfg: config_lib.RunConfig, mesh: jax.sharding.Mesh) -> Steps:
       update=on_mesh(jax.jit(
           step_lib.make_update_fn(model, tx, schedule, cfg.model,
                                   cfg.train.grad_accum_steps,
-                                  cfg.train.loss_chunks),
+                                  cfg.train.loss_chunks,
+                                  cfg.train.log_update_norm),
           in_shardings=(shardings, batch_sharding),
           out_shardings=(shardings, replicated), donate_argnums=0)),
       eval_step=on_mesh(jax.jit(
@@ -247,8 +251,7 @@ class _Run:
   def check_finite(self, fetched: list[tuple[int, dict[str, float]]]
                    ) -> None:
     for step, values in fetched:
-      if not all(np.isfinite(values[k])
-                 for k in ("loss", "grad_norm", "update_norm")):
+      if not all(np.isfinite(values[k]) for k in _FINITE if k in values):
         raise _non_finite_error(step, values, self.last_checkpoint)
 
   def log_startup(self, first_step_s: float) -> None:

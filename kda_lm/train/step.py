@@ -123,7 +123,8 @@ def _grads_and_extra(loss_fn, params, batch: Batch, n: int, denominators):
 
 def make_update_fn(model: hk.Transformed, tx: optax.GradientTransformation,
                    schedule: optax.Schedule, model_config: Any = None,
-                   grad_accum_steps: int = 1, loss_chunks: int = 1
+                   grad_accum_steps: int = 1, loss_chunks: int = 1,
+                   update_norm: bool = False
                    ) -> Callable[[TrainState, Batch],
                                  tuple[TrainState, dict[str, jax.Array]]]:
   """Returns `update(state, batch) -> (state, metrics)` (not jitted).
@@ -138,6 +139,9 @@ def make_update_fn(model: hk.Transformed, tx: optax.GradientTransformation,
   With `model_config` the LM head runs inside the loss, each device on its
   own rows, over `loss_chunks` strided pieces of them, the gradient made
   in the loss's own pass (`config.train.loss_chunks`, `kda_lm.losses`).
+  Metrics: `loss`, `accuracy`, `grad_norm`, `lr`, and `update_norm` (the
+  global norm of the optimizer's update) with `update_norm` set
+  (`config.train.log_update_norm`: a pass over every update of its own).
   """
   cfg = (None if model_config is None
          else config_lib.ModelConfig.from_config(model_config))
@@ -161,9 +165,10 @@ def make_update_fn(model: hk.Transformed, tx: optax.GradientTransformation,
         "loss": extra["main_loss"],
         "accuracy": extra["accuracy"],
         "grad_norm": optax.global_norm(grads),
-        "update_norm": optax.global_norm(updates),
         "lr": jnp.asarray(schedule(state.step), jnp.float32),
     }
+    if update_norm:
+      metrics["update_norm"] = optax.global_norm(updates)
     if "mtp_loss" in extra:
       metrics["mtp_loss"] = extra["mtp_loss"]
     if "expert_load" in extra:
