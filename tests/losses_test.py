@@ -26,6 +26,30 @@ def test_loss_terms_are_masked_sums():
   assert float(correct) == hits.sum() and float(weight) == 7.0
 
 
+def test_a_tied_maximum_is_not_a_correct_prediction():
+  """Correct = the target's logit is the unique maximum, in the logits
+  path and in the chunked head alike (argmax's first-index rule would
+  count row 1, and at initialisation with equal logits, token 0)."""
+  y = jnp.eye(4, dtype=jnp.float32)[None]           # [1, 4, 4]
+  w = jnp.asarray([[2., 0., 2., 0.],                 # tie: tokens 0 and 2
+                   [0., 3., 1., 0.],                 # 1 alone on top
+                   [1., 1., 1., 1.],                 # all tied
+                   [0., 0., 0., 5.]], jnp.float32)   # 3 alone on top
+  batch = dict(targets=jnp.asarray([[0, 1, 0, 2]]),
+               loss_mask=jnp.ones((1, 4), jnp.float32))
+  # Token 0's target 0 is tied, 1's target is the top, 2's target ties
+  # with everything, 3's target 2 is not the top: one correct.
+  for got in (losses.loss_terms(y @ w, batch),
+              losses.loss_terms(y, batch, head_DW=w, chunks=2)):
+    assert float(got[1]) == 1.0
+  w = w.at[0, 2].set(1.5)                             # token 0: 0 on top
+  assert float(losses.loss_terms(y @ w, batch)[1]) == 2.0
+  # No argmax: a pass over the logits of its own on a TPU.
+  jaxpr = jax.make_jaxpr(lambda a, b: jax.value_and_grad(
+      lambda a, b: losses.loss_terms(a, batch, b, 2)[0], (0, 1))(a, b))(y, w)
+  assert "argmax" not in str(jaxpr) and "reduce_max" in str(jaxpr)
+
+
 def test_mtp_loss_ignores_padding_and_boundaries():
   rng = np.random.default_rng(0)
   logits = jnp.asarray(rng.normal(size=(1, 1, 8, 32)), jnp.float32)
