@@ -19,20 +19,28 @@ the same shapes and with the same implementations:
 Their sum beside the whole step tells how much the parts overlap or leave
 out (fusions across parts, the scan, the MoE bias update).
 
+With `--config=configs/ling3_tiny.py[:variant]` the step is that training
+config's instead (its model, batch, row length, loss pieces, remat and
+optimizer), so that its figure can be set beside the MFU that
+`python train.py` logs for the same config.
+
   python -m experiments.bench_step                       # 4-layer tiny step
   python -m experiments.bench_step --kda_impl=xla --parts
   python -m experiments.bench_step --layers=2 --seq_len=256 --experts=4 \
       --top_k=2 --parts                                   # seconds on a CPU
 """
 
+import dataclasses
 import json
 import statistics
 import time
+from typing import Any
 
 from absl import app, flags
 import haiku as hk
 import jax
 import jax.numpy as jnp
+from ml_collections import config_flags
 import numpy as np
 import optax
 
@@ -52,6 +60,7 @@ _TOP_K = flags.DEFINE_integer("top_k", 8, "Experts per token.")
 _B = flags.DEFINE_integer("batch", 1, "Rows per step.")
 _T = flags.DEFINE_integer("seq_len", 4096, "Tokens per row.")
 _REMAT = flags.DEFINE_string("remat", "none", "config.train.remat.")
+_SCAN = flags.DEFINE_bool("scan_layers", True, "model.scan_layers.")
 _CHUNKS = flags.DEFINE_integer("loss_chunks", 8, "config.train.loss_chunks.")
 _KDA = flags.DEFINE_string("kda_impl", "auto", "model.kda_impl.")
 _MOE = flags.DEFINE_string("moe_impl", "auto", "model.moe_impl.")
@@ -60,6 +69,31 @@ _PARTS = flags.DEFINE_bool("parts", False, "Also time each part alone.")
 _PROFILE = flags.DEFINE_bool(
     "profile", False, "Also profile the step: device time per model part.")
 _JSON = flags.DEFINE_string("json", None, "Also write the results here.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "A training config file: its step instead of the flags "
+    "above.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """What one benchmarked step is: the model, its rows and the training
+  options that change the step."""
+  model: Any           # a `config.model` ConfigDict
+  B: int
+  T: int
+  loss_chunks: int
+  remat: str
+  opt: Any             # a `config.opt` ConfigDict
+
+
+def setup() -> Setup:
+  """The step of `--config`, or of the width flags."""
+  c = _CONFIG.value
+  if c is not None:
+    return Setup(c.model, c.data.batch_size, c.data.seq_len,
+                 c.train.loss_chunks, c.train.remat, c.opt)
+  return Setup(model_config(), _B.value, _T.value, _CHUNKS.value,
+               _REMAT.value, ling3.get_config().opt)
 
 
 def model_config():
@@ -70,6 +104,7 @@ def model_config():
     m.n_group = m.topk_group = 1    # Group-limited routing does not fit.
   m.kda_impl, m.moe_impl = _KDA.value, _MOE.value
   m.compute_dtype = "bfloat16"
+  m.scan_layers = _SCAN.value
   return m
 
 
@@ -95,14 +130,15 @@ def batch_for(B, T, vocab):
               loss_mask=jnp.ones((B, T), jnp.float32))
 
 
-def whole_step(m, B, T):
+def whole_step(su: Setup):
   """The jitted update and its (state, batch); returns a dict of results."""
-  model = model_lib.build(m, remat=_REMAT.value)
-  tx, schedule = optimizer.make_optimizer(ling3.get_config().opt, 100)
+  m, B, T = su.model, su.B, su.T
+  model = model_lib.build(m, remat=su.remat)
+  tx, schedule = optimizer.make_optimizer(su.opt, 100)
   state = jax.jit(state_lib.make_init_fn(model, tx, T))(jax.random.key(0))
   batch = batch_for(B, T, m.vocab_size)
   update = jax.jit(step_lib.make_update_fn(model, tx, schedule, m, 1,
-                                           _CHUNKS.value), donate_argnums=0)
+                                           su.loss_chunks), donate_argnums=0)
   start = time.perf_counter()
   compiled = update.lower(state, batch).compile()
   compile_s = time.perf_counter() - start
@@ -133,8 +169,9 @@ def _grad_time(fn, params, *inputs):
   return timed(grad, (params,) + inputs, _REPEATS.value)[0]
 
 
-def part_times(m, B, T, params, tx):
+def part_times(su: Setup, params, tx):
   """{part: seconds} of each part alone (times its count of layers)."""
+  m, B, T = su.model, su.B, su.T
   cfg = config_lib.ModelConfig.from_config(m)
   batch = batch_for(B, T, m.vocab_size)
   seg, pos = batch["segment_ids"], batch["positions"]
@@ -166,7 +203,7 @@ def part_times(m, B, T, params, tx):
     w = hk.get_parameter("w", [cfg.d_model, cfg.vocab_size], jnp.float32,
                          init=hk.initializers.RandomNormal(0.02))
     loss, _, _ = losses.loss_terms(h, batch, w.astype(jnp.bfloat16),
-                                   _CHUNKS.value)
+                                   su.loss_chunks)
     return loss
 
   fn = hk.transform(head_loss)
@@ -183,26 +220,28 @@ def part_times(m, B, T, params, tx):
 
 def main(argv):
   del argv
-  m = model_config()
-  B, T = _B.value, _T.value
+  su = setup()
+  m, B, T = su.model, su.B, su.T
   device = jax.devices()[0]
+  name = (_MODEL.value if _CONFIG.value is None else
+          config_flags.get_config_filename(flags.FLAGS["config"]))
   print(f"device: {device.device_kind} x {jax.device_count()}; model "
-        f"{_MODEL.value} {m.attention_pattern}, E={m.num_experts} "
-        f"top-{m.num_experts_per_tok}, B={B}, T={T}, remat {_REMAT.value}, "
-        f"loss in {_CHUNKS.value}, kda {_KDA.value}, moe {_MOE.value}",
+        f"{name} {m.attention_pattern}, E={m.num_experts} "
+        f"top-{m.num_experts_per_tok}, B={B}, T={T}, remat {su.remat}, "
+        f"loss in {su.loss_chunks}, kda {m.kda_impl}, moe {m.moe_impl}",
         flush=True)
   rate = matmul_rate()
-  r = whole_step(m, B, T)
+  r = whole_step(su)
   step_flops = flops.step_flops(m, B, T, r["params"])
   peak = flops.peak_flops(device.device_kind)
   per_device = step_flops / r["step_s"] / jax.device_count()
   rows = [("compile s", f"{r['compile_s']:.1f}"),
           ("step ms", f"{1e3 * r['step_s']:.1f}"),
           ("tokens/s", f"{B * T / r['step_s']:,.0f}"),
-          ("TFLOP/s per device", f"{per_device / 1e12:.1f}"),
-          ("MFU of the bf16 peak", f"{100 * per_device / peak:.1f}%"
+          ("TFLOP/s per device", f"{per_device / 1e12:.3g}"),
+          ("MFU of the bf16 peak", f"{100 * per_device / peak:.3g}%"
            if peak else "-"),
-          ("of this run's matmul rate", f"{100 * per_device / rate:.1f}%"),
+          ("of this run's matmul rate", f"{100 * per_device / rate:.3g}%"),
           ("peak memory GiB", f"{r['peak_bytes'] / 2**30:.2f}"
            if r["peak_bytes"] else "-")]
   print("\n| quantity | value |\n| --- | --- |")
@@ -215,7 +254,7 @@ def main(argv):
     result["profile_top"] = {p: [(o, ns / 3e6) for o, ns in top]
                              for p, _, top in r["profile"]}
   if _PARTS.value:
-    parts = part_times(m, B, T, r["params"], r["tx"])
+    parts = part_times(su, r["params"], r["tx"])
     total = sum(parts.values())
     print("\n| part (forward+backward) | ms | share of the step |\n"
           "| --- | --- | --- |")
