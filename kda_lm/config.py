@@ -432,12 +432,17 @@ class CheckpointConfig:
   every_seconds: Optional[float] = None
   # Newest checkpoints kept.
   max_to_keep: int = 3
-  # Write arrays in a background thread.
-  async_save: bool = True
+  # Write arrays in a background thread: True, False, or None = when the
+  # train state is at least 256 MiB per process (a smaller one is written
+  # faster than the loop loses to the thread: manager.ASYNC_MIN_BYTES).
+  async_save: Optional[bool] = None
 
   def __post_init__(self):
     if self.every_steps < 1:
       raise ValueError("config.checkpoint.every_steps must be >= 1.")
+    if self.async_save not in (None, True, False):
+      raise ValueError("config.checkpoint.async_save must be None, True or "
+                       f"False, got {self.async_save!r}.")
     if self.every_seconds is not None and not (
         isinstance(self.every_seconds, (int, float))
         and not isinstance(self.every_seconds, bool)

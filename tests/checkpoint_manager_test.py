@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 
+from kda_lm import config as config_lib
 from kda_lm.checkpoint import compat, manifest
 from kda_lm.checkpoint import manager as manager_lib
 
@@ -635,3 +636,20 @@ def test_the_space_check_skips_a_file_renamed_while_it_walks(
   monkeypatch.undo()
   os.remove(vanishing)
   manager.close()
+
+
+def test_async_save_none_chooses_by_the_states_bytes():
+  """None: in the background only from `ASYNC_MIN_BYTES` per process (a
+  small state is written faster than the loop loses to the thread); a
+  set value wins."""
+  big = manager_lib.ASYNC_MIN_BYTES // 4
+  state = {"w": jax.ShapeDtypeStruct((big,), jnp.float32),
+           "rng": jax.random.key(0)}
+  assert manager_lib.use_async(None, state)
+  state["w"] = jax.ShapeDtypeStruct((big - 64,), jnp.float32)
+  assert not manager_lib.use_async(None, state)
+  assert manager_lib.use_async(True, state)
+  assert not manager_lib.use_async(False, {"w": jnp.zeros(big + 1)})
+  with pytest.raises(ValueError, match="async_save must be None, True or "
+                     "False, got 'yes'"):
+    config_lib.CheckpointConfig(async_save="yes")

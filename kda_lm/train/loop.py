@@ -241,7 +241,8 @@ class _Run:
       self.manager = manager_lib.CheckpointManager(
           workdir_lib.checkpoint_dir(workdir),
           max_to_keep=cfg.checkpoint.max_to_keep,
-          async_save=bool(cfg.checkpoint.async_save))
+          async_save=manager_lib.use_async(cfg.checkpoint.async_save,
+                                           self.steps.abstract))
     self.start_step = 0
     self.last_checkpoint = None
     self.best_eval = None
