@@ -210,6 +210,7 @@ class _Run:
                cfg: config_lib.RunConfig, workdir: str, start_time: float):
     self.cfg = cfg
     self.workdir = workdir
+    self.cache_counts = CacheCounts()
     # Plain JSON values: saved with every checkpoint, compared on resume.
     self.config_json = json.loads(config.to_json_best_effort())
     self.is_main = distributed.is_main_process()
@@ -260,8 +261,9 @@ class _Run:
     first step."""
     phases = list(self.phases) + [("first step, compilation included",
                                    first_step_s)]
-    logging.info("Start-up %.1f s: %s.", sum(s for _, s in phases),
-                 ", ".join(f"{name} {s:.1f} s" for name, s in phases))
+    logging.info("Start-up %.1f s: %s%s.", sum(s for _, s in phases),
+                 ", ".join(f"{name} {s:.1f} s" for name, s in phases),
+                 self.cache_counts.text())
 
   def evaluate(self, step: int, state: TrainState) -> bool:
     """Evaluates and logs; True when the run should stop here."""
@@ -362,10 +364,42 @@ def _compilation_cache(choice: str, workdir: str) -> None:
   if path is None:
     return
   jax.config.update("jax_compilation_cache_dir", path)
+  # Every program, not only those that took over a second: a rerun then
+  # compiles nothing.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   # Programs compiled before this point (none in train.py) kept the
   # cache's earlier state: start it again.
   compilation_cache.reset_cache()
   logging.info("Compilation cache: %s.", path)
+
+
+class CacheCounts:
+  """Programs that asked the persistent compilation cache, and those it
+  returned, since `start` (JAX's monitoring events)."""
+
+  _REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
+  _HIT = "/jax/compilation_cache/cache_hits"
+  _counts = {_REQUEST: 0, _HIT: 0}
+  _listening = False
+
+  @classmethod
+  def _on_event(cls, event: str, **kwargs) -> None:
+    del kwargs
+    if event in cls._counts:
+      cls._counts[event] += 1
+
+  def __init__(self):
+    if not CacheCounts._listening:
+      jax.monitoring.register_event_listener(CacheCounts._on_event)
+      CacheCounts._listening = True
+    self._start = dict(self._counts)
+
+  def text(self) -> str:
+    """"read back H of N programs", or "" when none asked the cache."""
+    asked, hits = (self._counts[k] - self._start[k]
+                   for k in (self._REQUEST, self._HIT))
+    return f"; compilation cache: read back {hits} of {asked} programs" if (
+        asked) else ""
 
 
 def _train_loop(run: _Run, state: TrainState) -> TrainState:
