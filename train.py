@@ -18,12 +18,15 @@ import kda_lm  # noqa: F401  (first: sets XLA:CPU flags before JAX starts)
 from kda_lm.parallel import distributed
 from kda_lm.train import cli
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
-                 "ling3_tiny.py"),
-    "Training config file; `path.py:variant` selects a variant.",
-    lock_config=True)
+try:  # The default config file takes its overrides here, not in app.run.
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config",
+      os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
+                   "ling3_tiny.py"),
+      "Training config file; `path.py:variant` selects a variant.",
+      lock_config=True)
+except cli.BAD_FLAG_ERRORS as error:
+  cli.exit_on_bad_flag(error, sys.argv)
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Run directory (checkpoints, metrics); default "
     "runs/<config name>[_<variant>].")

@@ -33,12 +33,16 @@ def test_config_flag_message_names_the_key_and_the_fix(arg, error, want):
   assert cli.config_flag_message(error, ["train.py", arg]) == want
 
 
-def test_a_typo_exits_2_with_one_line_and_no_workdir(tmp_path):
+@pytest.mark.parametrize("config", [["--config=configs/ling3_tiny.py"], []],
+                         ids=["named_config", "default_config"])
+def test_a_typo_exits_2_with_one_line_and_no_workdir(tmp_path, config):
+  """With the default config file too (its overrides are applied while
+  train.py defines the flag, before absl's parsing)."""
   workdir = tmp_path / "run"
   result = subprocess.run(
-      [sys.executable, os.path.join(testing.REPO, "train.py"),
-       "--config=configs/ling3_tiny.py", "--config.train.num_step=5",
-       f"--workdir={workdir}"], cwd=testing.REPO,
+      [sys.executable, os.path.join(testing.REPO, "train.py")] + config + [
+          "--config.train.num_step=5", f"--workdir={workdir}"],
+      cwd=testing.REPO,
       env=testing.subprocess_env(), capture_output=True, text=True,
       timeout=120, check=False)
   assert result.returncode == cli.USAGE_EXIT, result.stderr[-2000:]

@@ -3,7 +3,9 @@
 ml_collections reports an unknown config key from inside absl's flag
 parsing as a chained traceback of some 55 lines whose useful part, its
 "Did you mean" suggestion, comes last. `parse_flags` (absl's
-`flags_parser`) prints one line instead, naming the whole key and the
+`flags_parser`; with the default config file the overrides are applied
+while the flag is defined, where `exit_on_bad_flag` does the same)
+prints one line instead, naming the whole key and the
 suggested one, and exits with status 2 (a usage error); with
 `--verbosity` above 0 the traceback is kept.
 """
@@ -44,15 +46,24 @@ def config_flag_message(error: BaseException, argv: Sequence[str]) -> str:
   return f"bad command-line flag: {first}"
 
 
+BAD_FLAG_ERRORS = (AttributeError, KeyError, TypeError, ValueError,
+                   flags.Error)
+
+
+def exit_on_bad_flag(error: BaseException, argv: Sequence[str]) -> None:
+  """Prints `config_flag_message` and exits 2; re-raises the error with
+  `--verbosity` above 0 (the traceback asked for)."""
+  if any(a.startswith(("--verbosity", "-v=", "--v=")) and not a.endswith(
+      ("=0", "=-1", "=-2", "=-3")) for a in argv):
+    raise error
+  print(f"{os.path.basename(argv[0])}: {config_flag_message(error, argv)}",
+        file=sys.stderr)
+  sys.exit(USAGE_EXIT)
+
+
 def parse_flags(argv: Sequence[str]) -> list[str]:
   """absl's flag parsing, with a bad flag reported in one line (exit 2)."""
   try:
     return flags.FLAGS(argv)
-  except (AttributeError, KeyError, TypeError, ValueError,
-          flags.Error) as error:
-    if any(a.startswith(("--verbosity", "-v=", "--v=")) and not a.endswith(
-        ("=0", "=-1", "=-2", "=-3")) for a in argv):
-      raise
-    print(f"{os.path.basename(argv[0])}: {config_flag_message(error, argv)}",
-          file=sys.stderr)
-    sys.exit(USAGE_EXIT)
+  except BAD_FLAG_ERRORS as error:
+    exit_on_bad_flag(error, argv)
