@@ -86,6 +86,23 @@ def test_chunked_head_equals_the_logits_and_names_a_bad_split():
     losses.loss_terms(y, batch, head_DW=w, chunks=3)
 
 
+def test_the_gradient_pass_sums_as_the_plain_pass():
+  """Under `jax.grad` the chunked head's loss and correct counts come from
+  its gradient pass (the custom VJP's forward, summing over the pieces),
+  which training logs: they equal the plain pass's (a seed where two of
+  the seven scored tokens are predicted)."""
+  rng = np.random.default_rng(18)
+  y = jnp.asarray(rng.normal(size=(1, 8, 6)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(6, 32)), jnp.float32)
+  batch = {k: jnp.asarray(v) for k, v in ROW.items()}
+  want = losses.loss_terms(y, batch, head_DW=w, chunks=4)
+  (loss, correct), _ = jax.value_and_grad(
+      lambda a, b: tuple(losses.loss_terms(a, batch, b, 4)[:2]),
+      argnums=(0, 1), has_aux=True)(y, w)
+  np.testing.assert_allclose(loss, want[0], rtol=1e-6)
+  assert float(correct) == float(want[1]) == 2.0
+
+
 def test_loss_piece_j_holds_tokens_j_mod_c():
   """Piece j of `loss_chunks` c is tokens j, j+c, ... of every row, so a
   row split over `context` splits every piece alike (no all-gather). A
