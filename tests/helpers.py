@@ -216,6 +216,7 @@ class LoopRun:
         "model": {"vocab_size": 11}})
     self.clock = clock
     self.start_step = 0
+    self.cache_counts = train_loop.CacheCounts()
     self.manager = None
     self.eval_batches = None
     self.last_checkpoint = None
