@@ -68,8 +68,6 @@ SAVE_FAILED_EXIT = 74
 # How long a failed save's partial directory may keep changing (the writes
 # Orbax had in flight finish or fail) before it is removed anyway.
 _SETTLE_S, _SETTLE_MAX_S = 0.5, 30.0
-# tensorstore's JSON spec, appended to its errors: thousands of characters
-# that say nothing about the failure.
 # `config.checkpoint.async_save = None` saves in the background only a
 # state at least this large per process. A smaller one is written faster
 # than the loop loses to the background thread (on a TPU v5e a 23 MB state
@@ -89,6 +87,8 @@ def use_async(async_save: bool | None, state: Any) -> bool:
   return total // jax.process_count() >= ASYNC_MIN_BYTES
 
 
+# tensorstore's JSON spec, appended to its errors: thousands of characters
+# that say nothing about the failure.
 _TS_SPEC = re.compile(r"\s*\[tensorstore_spec='.*?'\]", re.S)
 
 

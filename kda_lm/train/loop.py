@@ -375,7 +375,7 @@ def _compilation_cache(choice: str, workdir: str) -> None:
 
 class CacheCounts:
   """Programs that asked the persistent compilation cache, and those it
-  returned, since `start` (JAX's monitoring events)."""
+  returned, since this object was made (JAX's monitoring events)."""
 
   _REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
   _HIT = "/jax/compilation_cache/cache_hits"
