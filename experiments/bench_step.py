@@ -62,6 +62,8 @@ _T = flags.DEFINE_integer("seq_len", 4096, "Tokens per row.")
 _REMAT = flags.DEFINE_string("remat", "none", "config.train.remat.")
 _SCAN = flags.DEFINE_bool("scan_layers", True, "model.scan_layers.")
 _CHUNKS = flags.DEFINE_integer("loss_chunks", 8, "config.train.loss_chunks.")
+_MOMENTS = flags.DEFINE_string("moment_dtype", "float32",
+                               "config.opt.moment_dtype.")
 _KDA = flags.DEFINE_string("kda_impl", "auto", "model.kda_impl.")
 _MOE = flags.DEFINE_string("moe_impl", "auto", "model.moe_impl.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed steps (median).")
@@ -92,8 +94,10 @@ def setup() -> Setup:
   if c is not None:
     return Setup(c.model, c.data.batch_size, c.data.seq_len,
                  c.train.loss_chunks, c.train.remat, c.opt)
+  opt = ling3.get_config().opt
+  opt.moment_dtype = _MOMENTS.value
   return Setup(model_config(), _B.value, _T.value, _CHUNKS.value,
-               _REMAT.value, ling3.get_config().opt)
+               _REMAT.value, opt)
 
 
 def model_config():

@@ -327,6 +327,9 @@ class ModelConfig:
 # Training sections.
 
 
+MOMENT_DTYPES = ("float32", "bfloat16")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptConfig:
   """`config.opt`: AdamW, linear warmup then cosine decay, clipping."""
@@ -347,10 +350,17 @@ class OptConfig:
   eps: float = 1e-8
   # Global gradient-norm clip; 0 = none.
   clip_norm: float = 1.0
+  # dtype of both Adam moments: "float32", or "bfloat16" (half the
+  # optimizer state's bytes and of its traffic each step, as DeepSeek-V3
+  # trained; the update itself is computed in float32).
+  moment_dtype: str = "float32"
 
   def __post_init__(self):
     if self.warmup_steps < 0 or not self.peak_lr >= 0:
       raise ValueError("config.opt.warmup_steps and peak_lr must be >= 0.")
+    if self.moment_dtype not in MOMENT_DTYPES:
+      raise ValueError(f"config.opt.moment_dtype must be one of "
+                       f"{MOMENT_DTYPES}, got {self.moment_dtype!r}.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,11 @@
-"""Tests of kda_lm/optimizer.py: the weight-decay rule and the schedule."""
+"""Tests of kda_lm/optimizer.py: the weight-decay rule, the schedule and
+the moments' dtype."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+import pytest
 
 from configs import ling3_tiny
 from kda_lm import config, optimizer
@@ -35,3 +40,63 @@ def test_schedule_warmup_cosine_and_typed_config():
   _, typed = optimizer.make_optimizer(config.OptConfig(), 400)
   for step in (0, 10, 50, 399):
     assert from_dict(step) == typed(step)
+
+
+def _adam_steps(tx, params, grads):
+  """The updates of three steps of `tx` on fixed gradients, and its state."""
+  state = tx.init(params)
+  out = []
+  for g in grads:
+    u, state = tx.update(g, state, params)
+    out.append(u)
+  return out, state
+
+
+def _params_and_grads():
+  rng = np.random.default_rng(0)
+  params = {"m": {"w": jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)}}
+  grads = [jax.tree.map(
+      lambda p, s=s: jnp.asarray(rng.normal(size=p.shape) * 10.0**s,
+                                 jnp.float32), params) for s in (-3, 0, 2)]
+  return params, grads
+
+
+def test_scale_by_adam_in_float32_is_optax_adam():
+  params, grads = _params_and_grads()
+  want, want_state = _adam_steps(optax.scale_by_adam(0.9, 0.98, 1e-8),
+                                 params, grads)
+  got, got_state = _adam_steps(
+      optimizer.scale_by_adam(0.9, 0.98, 1e-8, jnp.float32), params, grads)
+  # Same formula, float32 rounding of a different operation order.
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g["m"]["w"], w["m"]["w"], rtol=2e-6)
+  assert jax.tree.structure(got_state) == jax.tree.structure(want_state)
+  assert int(got_state.count) == 3
+
+
+def test_bfloat16_moments_are_stored_in_bfloat16_and_track_float32():
+  params, grads = _params_and_grads()
+  opt = config.OptConfig(moment_dtype="bfloat16", warmup_steps=0)
+  tx, _ = optimizer.make_optimizer(opt, 10)
+  ref, _ = optimizer.make_optimizer(config.OptConfig(warmup_steps=0), 10)
+  got, state = _adam_steps(tx, params, grads)
+  want, ref_state = _adam_steps(ref, params, grads)
+  # The same state tree as optax.adamw's, moments in bfloat16.
+  assert jax.tree.structure(state) == jax.tree.structure(ref_state)
+  adam = state[1][0]
+  assert {x.dtype for x in jax.tree.leaves((adam.mu, adam.nu))} == {
+      jnp.dtype(jnp.bfloat16)}
+  # Updates are float32, within bfloat16's rounding of the moments (2^-9
+  # relative per moment; measured: 0, 0.013% and 0.11% of the update's
+  # norm at steps 1-3, the first computed from float32 moments alone).
+  for g, w in zip(got, want):
+    assert g["m"]["w"].dtype == jnp.float32
+    err = np.linalg.norm(g["m"]["w"] - w["m"]["w"]) / np.linalg.norm(
+        w["m"]["w"])
+    assert err < 5e-3
+  assert not np.array_equal(got[-1]["m"]["w"], want[-1]["m"]["w"])
+
+
+def test_a_bad_moment_dtype_is_named():
+  with pytest.raises(ValueError, match="moment_dtype.*'float16'"):
+    config.OptConfig(moment_dtype="float16")
