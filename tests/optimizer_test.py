@@ -68,7 +68,7 @@ def test_scale_by_adam_in_float32_is_optax_adam():
   got, got_state = _adam_steps(
       optimizer.scale_by_adam(0.9, 0.98, 1e-8, jnp.float32), params, grads)
   # Same formula, float32 rounding of a different operation order.
-  for g, w in zip(got, want):
+  for g, w in zip(got, want, strict=True):
     np.testing.assert_allclose(g["m"]["w"], w["m"]["w"], rtol=2e-6)
   assert jax.tree.structure(got_state) == jax.tree.structure(want_state)
   assert int(got_state.count) == 3
@@ -89,7 +89,7 @@ def test_bfloat16_moments_are_stored_in_bfloat16_and_track_float32():
   # Updates are float32, within bfloat16's rounding of the moments (2^-9
   # relative per moment; measured: 0, 0.013% and 0.11% of the update's
   # norm at steps 1-3, the first computed from float32 moments alone).
-  for g, w in zip(got, want):
+  for g, w in zip(got, want, strict=True):
     assert g["m"]["w"].dtype == jnp.float32
     err = np.linalg.norm(g["m"]["w"] - w["m"]["w"]) / np.linalg.norm(
         w["m"]["w"])
