@@ -20,7 +20,7 @@ Then, for the text datasets at seq_len 256 (4 rows a batch), how often a
 training row continues the document whose piece ended the previous row, and
 how many rows are a single piece of a longer file, without (the reference)
 and with the piece shuffle (`config.data.piece_shuffle_buffer`). Pieces are
-recognised by their tokens (`kda_lm.testing.piece_index`).
+recognised by their tokens (`testbed.corpora.piece_index`).
 
 Usage:
 
@@ -44,7 +44,7 @@ import tensorflow_datasets as tfds
 
 from data import builders, pipeline, text_files
 from data import tokenizer as tokenizer_lib
-from kda_lm import testing
+from testbed import corpora
 
 _DATASETS = flags.DEFINE_list(
     "datasets", ["delayed_copy", "text_files", "text_files_bpe", "jsonl",
@@ -188,7 +188,7 @@ def continuity(name: str, seq_len: int, batch_size: int, batches: int,
   base = data_config(name, seq_len, batch_size)
   documents, _ = pipeline.load_documents(
       base, "train", data_dir=os.path.join(workdir, "tfds"))
-  index = testing.piece_index(
+  index = corpora.piece_index(
       (d["tokens"] for d in documents.as_numpy_iterator()), seq_len)
   out = []
   for buffer in (0, int(base.piece_shuffle_buffer)):
@@ -198,7 +198,7 @@ def continuity(name: str, seq_len: int, batch_size: int, batches: int,
     rows = [{k: v[i] for k, v in batch.items()}
             for batch in (next(iterator) for _ in range(batches))
             for i in range(batch_size)]
-    result = testing.row_continuity(rows, index)
+    result = corpora.row_continuity(rows, index)
     result["fill"] = float(np.mean([(r["segment_ids"] > 0).mean()
                                     for r in rows]))
     out.append((buffer, result))

@@ -62,9 +62,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import timing
-from kda_lm import testing
 from kda_lm.ops import chunk_kda
 from kda_lm.ops.kda import api, common
+from testbed import kda_cases
 
 _IMPL = flags.DEFINE_string("impl", "xla", "Implementation to compare with "
                             "the reference (xla; later pallas).")
@@ -113,9 +113,9 @@ class Result:
 
 def make_inputs(rng, B, T, H, D, dtype, gate, docs):
   """(differentiable params, fixed args, static kwargs, segment ids) for one
-  config: `testing.kda_inputs` with gate "safe" (bounded) or "exact"
+  config: `kda_cases.kda_inputs` with gate "safe" (bounded) or "exact"
   (pre-activated log-sigmoid), in `dtype`."""
-  raw, static = testing.kda_inputs(
+  raw, static = kda_cases.kda_inputs(
       rng, B, T, H, D, D, gate="pre" if gate == "exact" else gate,
       l2norm=True, h0=False)
   static["output_final_state"] = True
@@ -123,10 +123,10 @@ def make_inputs(rng, B, T, H, D, dtype, gate, docs):
     static["chunk_size"] = _CHUNK.value
   params = {n: jnp.asarray(x, jnp.float32 if n in ("A_log", "dt_bias")
                            else dtype) for n, x in raw.items()}
-  do, dht = testing.kda_cotangents(rng, (B, T, H, D), B, D)
+  do, dht = kda_cases.kda_cotangents(rng, (B, T, H, D), B, D)
   fixed = dict(do=jnp.asarray(do), dht=jnp.asarray(dht), segment_ids=None)
   return params, fixed, static, jnp.asarray(
-      testing.document_ids(rng, B, T, docs))
+      kda_cases.document_ids(rng, B, T, docs))
 
 
 

@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import timing
-from kda_lm import testing
 from kda_lm.ops import chunk_kda
 from kda_lm.ops.kda import common, pallas
+from testbed import kda_cases
 
 _TOKENS = flags.DEFINE_integer("tokens", 16384, "Tokens per batch (B*T).")
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["2048", "8192", "32768",
@@ -138,8 +138,8 @@ def inputs(B, T, H, D, doc_len, seed=0):
   """bfloat16 KDA inputs, token-major [B,T,H*D] (bounded gate); splash
   inputs [B,H,T,D]; ids; the output cotangent (KDA [B,T,H*D])."""
   rng = np.random.default_rng(seed)
-  raw, _ = testing.kda_inputs(rng, B, T, H, D, D, gate="safe", l2norm=True,
-                              h0=False)
+  raw, _ = kda_cases.kda_inputs(rng, B, T, H, D, D, gate="safe", l2norm=True,
+                                h0=False)
   kda = {n: jnp.asarray(x, jnp.float32 if n in ("A_log", "dt_bias")
                         else jnp.bfloat16) for n, x in raw.items()}
   splash = {n: jnp.transpose(kda[n], (0, 2, 1, 3)) for n in ("q", "k", "v")}

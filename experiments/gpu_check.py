@@ -45,9 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda_lm import testing
 from kda_lm.ops import chunk_kda
 from kda_lm.ops.kda import pallas
+from testbed import kda_cases, numerics
 
 _T = flags.DEFINE_integer("seq_len", 8192, "Tokens per row T.")
 _B = flags.DEFINE_integer("batch", 1, "Rows B.")
@@ -115,15 +115,15 @@ def kernel_bytes(B, T, H, K, V, backward):
 
 
 def make_inputs(seed, B, T, H, D, dtype, docs):
-  """Bounded-gate inputs (`testing.kda_inputs`) in `dtype`, all-ones and
+  """Bounded-gate inputs (`kda_cases.kda_inputs`) in `dtype`, all-ones and
   `docs`-document segment ids, cotangents."""
   rng = np.random.default_rng(seed)
-  raw, _ = testing.kda_inputs(rng, B, T, H, D, D, gate="safe", l2norm=True,
-                              h0=False)
+  raw, _ = kda_cases.kda_inputs(rng, B, T, H, D, D, gate="safe", l2norm=True,
+                                h0=False)
   params = {n: jnp.asarray(x, jnp.float32 if n in ("A_log", "dt_bias")
                            else dtype) for n, x in raw.items()}
-  do, dht = testing.kda_cotangents(rng, (B, T, H, D), B, D)
-  segmented = np.broadcast_to(testing.document_ids(rng, 1, T, docs), (B, T))
+  do, dht = kda_cases.kda_cotangents(rng, (B, T, H, D), B, D)
+  segmented = np.broadcast_to(kda_cases.document_ids(rng, 1, T, docs), (B, T))
   ones = np.ones((B, T), np.int32)
   return (params, jnp.asarray(ones), jnp.asarray(segmented),
           dict(do=jnp.asarray(do), dht=jnp.asarray(dht)))
@@ -226,7 +226,7 @@ def main(argv):
     for (label, seg_name), o in outs.items():
       if label.startswith("pallas"):
         print(f"rel_err(o) {label} vs xla, {seg_name}: "
-              f"{testing.rel_err(o, outs['xla', seg_name]):.2e}")
+              f"{numerics.rel_err(o, outs['xla', seg_name]):.2e}")
   for (label, seg_name, backward), t in ms.items():
     if label.startswith("pallas") and not backward and seg_name == "none":
       print(f"{label} forward vs FLA chunk_kda on H100 ({FLA_FWD_MS_H100} "

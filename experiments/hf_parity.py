@@ -5,7 +5,7 @@ For each fixture in tests/testdata/hf (tiny `bailing_hybrid` and
 run alone; `bailing_hybrid_yarn` with YaRN RoPE scaling and attention
 biases, `kimi_linear_bias` with attention biases), imports the checkpoint,
 runs all documents packed in one row with `segment_ids`, and prints each
-document's relative error (`kda_lm.testing.rel_err`) and the largest
+document's relative error (`testbed.numerics.rel_err`) and the largest
 absolute difference.
 
   python -m experiments.hf_parity
@@ -17,9 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import kda_lm  # noqa: F401  # isort: skip  (first: XLA:CPU flags)
-from kda_lm import hf, model, testing
+from kda_lm import hf, model
+from testbed import numerics
 
-FIXTURES = os.path.join(testing.REPO, "tests", "testdata", "hf")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(REPO, "tests", "testdata", "hf")
 
 
 NAMES = ("bailing_hybrid", "kimi_linear", "bailing_hybrid_yarn",
@@ -42,7 +44,7 @@ def parity(name: str) -> list[tuple[int, float, float]]:
   out, start = [], 0
   for i, d in enumerate(docs):
     got, want = logits[start:start + len(d)], g[f"logits_{i}"]
-    out.append((len(d), testing.rel_err(got, want),
+    out.append((len(d), numerics.rel_err(got, want),
                 float(np.abs(got - want).max())))
     start += len(d)
   return out

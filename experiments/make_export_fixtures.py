@@ -9,7 +9,7 @@ token ids) and the run's tokenizer as an export writes it
 `export_bytes_bailing_hybrid` (Ling's layers as ling3_tiny has them) and
 `export_bytes_kimi_linear` (the same widths with Kimi's KDA gate, NoPE MLA
 and no output gate); and `export_bpe_bailing_hybrid`, a BPE run's (a
-320-token BPE learnt on `testing.corpus_texts`, the model's vocabulary
+320-token BPE learnt on `corpora.corpus_texts`, the model's vocabulary
 320). Then the fixture script, in its own environment, loads each with
 transformers (and `AutoTokenizer`) and records its logits and the ids of
 a text:
@@ -31,9 +31,10 @@ import jax
 from configs import ling3_tiny
 from data import tokenizer as tokenizer_lib
 from kda_lm import config as config_lib
-from kda_lm import hf, model, testing
+from kda_lm import hf, model
 from kda_lm.checkpoint import state as state_lib
 from kda_lm.hf import workdir as hf_workdir
+from testbed import corpora
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "tests", "testdata",
                    "hf")
@@ -66,7 +67,7 @@ def main():
   export("export_bytes_kimi_linear", KIMI, 1, byte_level)
   with tempfile.TemporaryDirectory() as tmp:
     bpe = os.path.join(tmp, "tokenizer.json")
-    tokenizer_lib.write(tokenizer_lib.train(testing.corpus_texts(200),
+    tokenizer_lib.write(tokenizer_lib.train(corpora.corpus_texts(200),
                                             BPE_VOCAB), bpe)
     export("export_bpe_bailing_hybrid", {"vocab_size": BPE_VOCAB}, 2,
            state_lib.RunTokenizer(bpe, released=False))
