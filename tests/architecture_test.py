@@ -18,7 +18,6 @@ RANKS = {
     "kda_lm.flops": 5.5,
     "kda_lm.checkpoint": 7,
     "kda_lm.train": 8, "kda_lm.infer": 8, "kda_lm.hf": 8,
-    "kda_lm.testing": 9,
 }
 # The layers' entries into the parallel room.
 LAYERS_MAY_IMPORT = ("kda_lm.parallel.context", "kda_lm.parallel.maps")
@@ -139,10 +138,8 @@ def test_modules_and_functions_read_at_once():
 # The library's only environment reads: the XLA:CPU flag set on import
 # (kda_lm/__init__.py) and the multi-host start-up's CPU collectives
 # (kda_lm/parallel/distributed.py). Settings are config keys and typed
-# options (`KernelSettings`), never environment variables. Test support
-# (kda_lm/testing.py) builds subprocess environments, it reads none.
-ENV_READERS = ("kda_lm/__init__.py", "kda_lm/parallel/distributed.py",
-               "kda_lm/testing.py")
+# options (`KernelSettings`), never environment variables.
+ENV_READERS = ("kda_lm/__init__.py", "kda_lm/parallel/distributed.py")
 
 
 def environment_reads():
@@ -173,9 +170,10 @@ def imported_test_modules(path: str) -> list[str]:
 
 
 def test_no_test_module_imports_another(tmp_path):
-  """Shared test code lives in tests/helpers.py and tests/conftest.py; a
-  test module imported by another would run its tests twice and couple
-  the two. (The check itself is shown to see such an import.)"""
+  """Shared test code lives in tests/helpers.py, the `*_support.py`
+  modules and tests/conftest.py; a test module imported by another would
+  run its tests twice and couple the two. (The check itself is shown to
+  see such an import, and to let the shared modules through.)"""
   tests = os.path.join(ROOT, "tests")
   bad = {name: found for name in sorted(os.listdir(tests))
          if name.endswith(".py")
@@ -183,5 +181,5 @@ def test_no_test_module_imports_another(tmp_path):
   assert not bad, bad
   fake = tmp_path / "fake_test.py"
   fake.write_text("import model_test\nfrom train_loop_test import x\n"
-                  "import helpers\n")
+                  "import helpers\nimport kda_support\n")
   assert imported_test_modules(str(fake)) == ["model_test", "train_loop_test"]

@@ -1,13 +1,13 @@
 """Tests of the run config check `kda_lm.checkpoint.state.check_config`."""
 
+import helpers
 import pytest
 
 from configs import ling3_tiny
 from data import pipeline
 from kda_lm import config as config_lib
-from kda_lm import testing
 
-tiny_config = testing.tiny_train_config
+tiny_config = helpers.tiny_train_config
 
 
 def test_unknown_and_bad_config_keys(data_dir):

@@ -7,9 +7,8 @@ are in place before any test initialises a JAX backend.
 import kda_lm  # noqa: F401  (side effect: XLA flags)  # isort: skip
 import jax
 from jax.experimental.compilation_cache import compilation_cache
+import process_support
 import pytest
-
-from kda_lm import testing
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +24,7 @@ def fast_compile():
   differently (tests of bit-identity between programs compile both fresh,
   e.g. `ops_kda_reference_test.py`).
   """
-  with testing.most_optimizations_disabled():
+  with process_support.most_optimizations_disabled():
     yield
 
 

@@ -9,8 +9,10 @@ import os
 import subprocess
 import sys
 
+import helpers
 import ml_collections
 import numpy as np
+import process_support
 import pyarrow as pa
 import pytest
 import tensorflow as tf
@@ -18,7 +20,7 @@ import tokenizers
 
 from data import packing, pipeline, records
 from data import tokenizer as data_tokenizer
-from kda_lm import testing
+from testbed import corpora
 
 SEQ_LEN = 32
 BATCH = 4
@@ -33,7 +35,7 @@ def _line(text, field="text"):
 def corpus(tmp_path_factory):
   """Documents in three files: plain, gzip and zstd (with blank lines)."""
   root = tmp_path_factory.mktemp("jsonl")
-  texts = testing.corpus_texts(NUM_DOCS)
+  texts = corpora.corpus_texts(NUM_DOCS)
   parts = [texts[i::3] for i in range(3)]
   (root / "a.jsonl").write_text("".join(map(_line, parts[0])) + "\n  \n")
   with gzip.open(root / "b.jsonl.gz", "wt") as f:
@@ -133,12 +135,12 @@ def test_a_new_process_resumes_a_released_tokenizer_stream(corpus,
                                                           tmp_path):
   """Mid-epoch, exactly: the tokenizing function is rebuilt, not saved."""
   root, texts = corpus
-  path = testing.write_hf_tokenizer(str(tmp_path / "tokenizer.json"),
+  path = helpers.write_hf_tokenizer(str(tmp_path / "tokenizer.json"),
                                     texts)
   args = [_files(root), f"hf:{path}", str(tmp_path), str(tmp_path / "ckpt"),
           str(tmp_path / "next.npz")]
   subprocess.run([sys.executable, "-c", _SAVE_IN_A_NEW_PROCESS, *args],
-                 env=testing.subprocess_env(), check=True, timeout=300)
+                 env=process_support.subprocess_env(), check=True, timeout=300)
   it = pipeline.make_train_iterator(
       _config(_files(root), tokenizer=f"hf:{path}"), data_dir=str(tmp_path),
       process_index=0, process_count=1)
@@ -163,7 +165,7 @@ def test_two_processes_see_disjoint_documents_covering_the_split(
 
 def test_hf_tokenizer_gives_the_library_ids(corpus, tmp_path):
   root, texts = corpus
-  path = testing.write_hf_tokenizer(str(tmp_path / "tokenizer.json"),
+  path = helpers.write_hf_tokenizer(str(tmp_path / "tokenizer.json"),
                                     texts)
   config = _config(_files(root), tokenizer=f"hf:{path}")
   tok = tokenizers.Tokenizer.from_file(path)

@@ -8,7 +8,7 @@ from pyarrow import parquet as pq
 import pytest
 
 from data import pipeline, records
-from kda_lm import testing
+from testbed import corpora
 
 SEQ_LEN = 32
 BATCH = 4
@@ -25,7 +25,7 @@ def _write(path, texts, column="text", row_group_size=7, type_=None):
 def corpus(tmp_path_factory):
   """Three files of several row groups (one with a large_string column)."""
   root = tmp_path_factory.mktemp("parquet")
-  texts = testing.corpus_texts(100)
+  texts = corpora.corpus_texts(100)
   _write(root / "a.parquet", texts[:40])
   _write(root / "b.parquet", texts[40:75], type_=pa.large_string())
   _write(root / "c.parquet", texts[75:], row_group_size=100)

@@ -12,8 +12,8 @@ import tensorflow as tf
 
 from data import corpus, delayed_copy, packing, pipeline, text_files
 from data import tokenizer as tokenizer_lib
-from kda_lm import testing
 from kda_lm.checkpoint import workdir as workdir_lib
+from testbed import corpora
 
 SEQ_LEN = 32
 BATCH = 4
@@ -207,15 +207,15 @@ def test_piece_shuffle_gives_an_iid_stream_that_resumes(tmp_path):
                    piece_shuffle_buffer=64)
   documents, _ = pipeline.load_documents(config, "train",
                                          data_dir=str(tmp_path / "tfds"))
-  index = testing.piece_index(
+  index = corpora.piece_index(
       (d["tokens"] for d in documents.as_numpy_iterator()), SEQ_LEN)
   data_dir = str(tmp_path / "tfds")
   it = _train(config, data_dir)
   rows = _rows_of(_take(it, 10))
-  stream = testing.row_continuity(rows, index)
+  stream = corpora.row_continuity(rows, index)
   assert stream["continuing"] <= 0.1, stream
   # Without the piece shuffle, rows walk through one file at a time.
-  ordered = testing.row_continuity(_rows_of(_take(
+  ordered = corpora.row_continuity(_rows_of(_take(
       _train(_config(**{**config, "piece_shuffle_buffer": 0}), data_dir),
       10)), index)
   assert ordered["continuing"] >= 0.5, ordered
@@ -230,7 +230,7 @@ def test_piece_shuffle_gives_an_iid_stream_that_resumes(tmp_path):
 
 
 def test_bpe_documents_and_rows_exactly(tmp_path):
-  texts = testing.write_text_corpus(str(tmp_path / "c"))
+  texts = helpers.write_text_corpus(str(tmp_path / "c"))
   config = _config(name="text_files", glob=str(tmp_path / "c" / "*.txt"),
                    validation_percent=30, tokenizer="bpe",
                    bpe_vocab_size=300, pack_window_rows=64)
@@ -264,7 +264,7 @@ def test_bpe_documents_and_rows_exactly(tmp_path):
 
 def test_resume_reloads_the_recorded_tokenizer_and_refuses_another(
     tmp_path):
-  testing.write_text_corpus(str(tmp_path / "c"))
+  helpers.write_text_corpus(str(tmp_path / "c"))
   run = ml_collections.ConfigDict({"data": _config(
       name="text_files", glob=str(tmp_path / "c" / "*.txt"),
       validation_percent=30, tokenizer="bpe", bpe_vocab_size=300)})
@@ -302,9 +302,9 @@ def test_resume_reloads_the_recorded_tokenizer_and_refuses_another(
 
 
 def test_text_files_with_a_released_tokenizer(tmp_path):
-  texts = testing.write_text_corpus(str(tmp_path / "c"))
+  texts = helpers.write_text_corpus(str(tmp_path / "c"))
   (tmp_path / "c" / "latin1.txt").write_bytes(b"caf\xe9 " * 20)
-  path = testing.write_hf_tokenizer(str(tmp_path / "tokenizer.json"),
+  path = helpers.write_hf_tokenizer(str(tmp_path / "tokenizer.json"),
                                     list(texts.values()))
   config = _config(name="text_files", glob=str(tmp_path / "c" / "*.txt"),
                    validation_percent=30, tokenizer=f"hf:{path}")

@@ -11,9 +11,9 @@ import pytest
 import tensorflow_datasets as tfds
 
 from data import builders, pipeline, records
-from kda_lm import testing
+from testbed import corpora
 
-TEXTS = testing.corpus_texts(80)
+TEXTS = corpora.corpus_texts(80)
 
 
 class TinyCorpusTest(builders.LocalBuilder):

@@ -3,12 +3,13 @@ trips, a deterministic tokenizer file, and the checksum guard."""
 
 import os
 
+import helpers
 import pytest
 import tokenizers
 
 from data import text_files
 from data import tokenizer as tokenizer_lib
-from kda_lm import testing
+from testbed import corpora
 
 VOCAB = 300
 
@@ -16,7 +17,7 @@ VOCAB = 300
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
   root = str(tmp_path_factory.mktemp("corpus"))
-  return root, testing.write_text_corpus(root)
+  return root, helpers.write_text_corpus(root)
 
 
 def _paths(root, texts):
@@ -111,8 +112,8 @@ def test_text_codec_bpe_and_bytes(corpus, tmp_path):
 
 
 def test_hf_tokenizer_json_round_trips_with_the_library_ids(tmp_path):
-  texts = testing.corpus_texts(60)
-  path = testing.write_hf_tokenizer(str(tmp_path / "m" / "tokenizer.json"),
+  texts = corpora.corpus_texts(60)
+  path = helpers.write_hf_tokenizer(str(tmp_path / "m" / "tokenizer.json"),
                                     texts)
   assert tokenizer_lib.hf_path(f"hf:{path}") == path
   assert tokenizer_lib.hf_path("bytes") == ""

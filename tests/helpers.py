@@ -6,12 +6,21 @@
 - The loss tests' packed row (`LOSS_ROW`).
 - `record_rope`: the RoPE calls of a jitted function.
 - Data iterators (`train_iterator`, `take`, `assert_same_batches`,
-  `assert_resumes_exactly`).
+  `assert_resumes_exactly`) and corpora written to disk
+  (`write_text_corpus`, `write_hf_tokenizer`: a released-model-like
+  `tokenizer.json`).
+- The training tests' tiny delayed-copy model and stand-in batches
+  (`TINY_TRAIN_OVERRIDES`, `tiny_train_overrides`, `tiny_train_config`,
+  `table_batch`, `one_device_batch_sharding`).
 - Training runs: `train.py` in a subprocess on a generated config file
   (`write_config_file`, `train_command`, `run_train`, `train_rows`), and a
   stand-in run for the loop's log rows (`Clock`, `LoopRun`).
 
-(Fixtures live in conftest.py; metrics and oracles in `kda_lm.testing`.)
+The other shared test modules: `process_support.py` (the repository path,
+the XLA-optimization switch, a subprocess's environment), `kda_support.py`
+(the KDA op tests' shapes, inputs and compiled calls); fixtures live in
+conftest.py. What the experiments share with the tests (the error metric,
+KDA inputs and the float64 oracle, corpus texts) lives in `testbed/`.
 """
 
 import functools
@@ -19,15 +28,18 @@ import os
 import subprocess
 import sys
 import types
+from typing import Sequence
 
 import jax
 import ml_collections
 import numpy as np
+import process_support
+import tokenizers
 
 from configs import ling3_tiny
 from data import pipeline
-from kda_lm import testing
 from kda_lm.layers import rope
+from kda_lm.parallel import sharding
 from kda_lm.train import loop as train_loop
 from kda_lm.train import metrics, preemption
 
@@ -145,7 +157,123 @@ def assert_resumes_exactly(config, data_dir, ckpt_dir, skip, take_n):
   assert_same_batches(take(resumed, take_n), expected)
 
 
-# Training runs.
+def write_text_corpus(root: str, num_files: int = 8) -> dict[str, str]:
+  """Writes a small UTF-8 text corpus for the text_files tests.
+
+  Files `f{i}.txt` under `root` mix ASCII code, non-ASCII text (accents,
+  CJK, an emoji), empty lines, tabs and a carriage return.
+
+  Returns:
+    `{file name: its text}`.
+  """
+  os.makedirs(root, exist_ok=True)
+  lines = ["def f(x):", "    return x * 2", "", "# café — naïve ☕",
+           "\t名前 = 'データ'  # 🐍", "", "", "class A:\r", "  pass"]
+  out = {}
+  for i in range(num_files):
+    text = "\n".join(lines[i % 3:] + lines[:i % 3]) * (i + 1) + f"\n# {i}\n"
+    name = f"f{i}.txt"
+    with open(os.path.join(root, name), "w", encoding="utf-8",
+              newline="") as f:
+      f.write(text)
+    out[name] = text
+  return out
+
+
+def write_hf_tokenizer(path: str, texts: Sequence[str],
+                       vocab_size: int = 320) -> str:
+  """Writes a released-model-like `tokenizer.json`: byte-level BPE learnt on
+  `texts`, special tokens `<s>` (0) and `</s>` (1), and a template that puts
+  `<s>` in front of every text. Returns `path`."""
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(
+      add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  tok.train_from_iterator(texts, tokenizers.trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False))
+  tok.post_processor = tokenizers.processors.TemplateProcessing(
+      single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tok.save(path)
+  return path
+
+
+# Training runs: a tiny delayed-copy model's config and stand-in batches,
+# `train.py` in a subprocess, a stand-in run for the loop's log rows.
+
+# A 2-layer KDA + MLA model on delayed copy (delay 4) with 4 x 32 batches.
+TINY_TRAIN_OVERRIDES = {
+    "model.d_model": 32,
+    "model.attention_pattern": "KM",
+    "model.num_heads": 2,
+    "model.head_dim": 16,
+    "model.kv_lora_rank": 16,
+    "model.qk_nope_head_dim": 16,
+    "model.qk_rope_head_dim": 8,
+    "model.v_head_dim": 16,
+    "model.mlp_hidden_dim": 64,
+    "data.seq_len": 32,
+    "data.batch_size": 4,
+    "data.vocab_size": 16,
+    "data.delay": 4,
+    "data.min_len": 8,
+    "data.max_len": 40,
+    "data.num_train_docs": 256,
+    "data.num_eval_docs": 16,
+    "data.shuffle_buffer": 64,
+    "data.pack_window_rows": 8,
+    "opt.warmup_steps": 2,
+    # Fixed, so that runs of any length share one compiled update step.
+    "opt.decay_steps": 6,
+    "opt.peak_lr": 1e-2,
+    "train.num_steps": 4,
+    "train.log_every": 1,
+    "train.progress_bar": False,
+    "eval.every_steps": 2,
+    "eval.num_batches": 2,
+    "checkpoint.every_steps": 2,
+}
+
+
+def tiny_train_overrides(data_dir, **extra):
+  """TINY_TRAIN_OVERRIDES with the data dir and `extra` keys given as
+  `section__name=value`; a dict of "section.name" to value."""
+  values = dict(TINY_TRAIN_OVERRIDES)
+  values["data.data_dir"] = data_dir
+  values.update({k.replace("__", "."): v for k, v in extra.items()})
+  return values
+
+
+def tiny_train_config(data_dir, **extra):
+  """ling3_tiny with TINY_TRAIN_OVERRIDES; extra keys as
+  `section__name=value`."""
+  config = ling3_tiny.get_config()
+  for key, value in tiny_train_overrides(data_dir, **extra).items():
+    section, name = key.split(".")
+    config[section][name] = value
+  return config
+
+
+def table_batch(rng, vocab, rows, t, n_real):
+  """A batch whose first `n_real` positions (row-major) carry loss_mask 1."""
+  mask = np.zeros(rows * t, np.float32)
+  mask[:n_real] = 1.0
+  return {"inputs": rng.integers(0, vocab, (rows, t)).astype(np.int32),
+          "targets": rng.integers(0, vocab, (rows, t)).astype(np.int32),
+          "segment_ids": np.ones((rows, t), np.int32),
+          "positions": np.tile(np.arange(t, dtype=np.int32), (rows, 1)),
+          "loss_mask": mask.reshape(rows, t)}
+
+
+def one_device_batch_sharding():
+  """The batch sharding of a one-device (data=1, fsdp=1) mesh."""
+  mesh = sharding.make_mesh(ml_collections.ConfigDict({"data": 1,
+                                                       "fsdp": 1}),
+                            jax.devices()[:1])
+  return sharding.batch_sharding(mesh)
+
 
 CONFIG_FILE = """
 from configs import ling3_tiny
@@ -164,22 +292,22 @@ def get_config(arg=None):
 
 def write_config_file(tmp_path, data_dir, **extra):
   path = tmp_path / f"config_{len(os.listdir(tmp_path))}.py"
-  path.write_text(CONFIG_FILE.format(overrides=testing.tiny_train_overrides(
+  path.write_text(CONFIG_FILE.format(overrides=tiny_train_overrides(
       data_dir, **extra)))
   return str(path)
 
 
 def train_command(config_file, workdir, *flags):
-  return [sys.executable, os.path.join(testing.REPO, "train.py"),
+  return [sys.executable, os.path.join(process_support.REPO, "train.py"),
           f"--config={config_file}", f"--workdir={workdir}", *flags]
 
 
 def run_train(config_file, workdir, cache_dir, *flags, xla_flags="",
               timeout=300):
   result = subprocess.run(
-      train_command(config_file, workdir, *flags), cwd=testing.REPO,
-      env=testing.subprocess_env(cache_dir, xla_flags), capture_output=True,
-      text=True, timeout=timeout, check=False)
+      train_command(config_file, workdir, *flags), cwd=process_support.REPO,
+      env=process_support.subprocess_env(cache_dir, xla_flags),
+      capture_output=True, text=True, timeout=timeout, check=False)
   assert result.returncode == 0, result.stderr[-4000:]
   return result
 
@@ -221,9 +349,9 @@ class LoopRun:
     self.eval_batches = None
     self.last_checkpoint = None
     rng = np.random.default_rng(0)
-    self.train_it = iter(lambda: testing.table_batch(rng, 11, 2, 4, 8), None)
+    self.train_it = iter(lambda: table_batch(rng, 11, 2, 4, 8), None)
     self.steps = types.SimpleNamespace(
-        update=self.update, batch_sharding=testing.one_device_batch_sharding(),
+        update=self.update, batch_sharding=one_device_batch_sharding(),
         flops_per_token=0.0)
     self.output = types.SimpleNamespace(
         train_row=self.log_row,

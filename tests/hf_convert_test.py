@@ -11,14 +11,16 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
+import process_support
 import pytest
 
 from data import tokenizer as tokenizer_lib
-from kda_lm import config, hf, model, stack, testing
+from kda_lm import config, hf, model, stack
 from kda_lm.hf import formats, safetensors_io
 from kda_lm.parallel import sharding
+from testbed import numerics
 
-FIXTURES = os.path.join(testing.REPO, "tests", "testdata", "hf")
+FIXTURES = os.path.join(process_support.REPO, "tests", "testdata", "hf")
 TYPES = ("bailing_hybrid", "kimi_linear")
 # Every fixture's model_type: the two formats, Ling with YaRN rope scaling
 # and attention biases, Kimi with attention biases, Ling with per-layer
@@ -91,7 +93,7 @@ def test_import_gives_hf_logits_in_a_packed_row(name):
   for i, d in enumerate(docs):
     for row in (0, 1):   # Packed, and with padding between documents.
       got = logits[row, starts[row][i]:starts[row][i] + len(d)]
-      err = testing.rel_err(got, want[i])
+      err = numerics.rel_err(got, want[i])
       assert err < 1e-5, (name, row, i, err)
 
 
@@ -344,7 +346,7 @@ def test_format_options_reach_the_layers():
     changed = model_config.copy_and_resolve_references()
     changed[key] = value
     other = model.build(changed).apply(params, tokens)
-    assert testing.rel_err(other, base) > 1e-3, key
+    assert numerics.rel_err(other, base) > 1e-3, key
 
 
 def test_kimi_dense_layers_saved_as_mlp(tmp_path):
@@ -396,7 +398,7 @@ def test_scanned_layout_imports_and_exports(model_type, tmp_path):
       scanned, jnp.asarray(tokens), jnp.asarray(ids)))
   for i, d in enumerate(docs):
     got = logits[0, starts[0][i]:starts[0][i] + len(d)]
-    assert testing.rel_err(got, want[i]) < 1e-5
+    assert numerics.rel_err(got, want[i]) < 1e-5
   hf.save_pretrained(scan_config, scanned, str(tmp_path))
   assert header(str(tmp_path)) == header(fixture(model_type))
   assert_trees_equal(hf.load_pretrained(str(tmp_path))[1], params)

@@ -5,12 +5,12 @@ import os
 
 import ml_dtypes
 import numpy as np
+import process_support
 import pytest
 
-from kda_lm import testing
 from kda_lm.hf import safetensors_io
 
-FIXTURE = os.path.join(testing.REPO, "tests", "testdata", "hf",
+FIXTURE = os.path.join(process_support.REPO, "tests", "testdata", "hf",
                        "kimi_linear")
 
 

@@ -5,9 +5,12 @@ import json
 import os
 import shutil
 
+import helpers
 import jax
+import kda_support
 import ml_collections
 import numpy as np
+import process_support
 import pytest
 import tokenizers
 
@@ -15,7 +18,7 @@ from configs import ling3
 from data import pipeline
 from data import tokenizer as tokenizer_lib
 from kda_lm import config as config_lib
-from kda_lm import hf, testing
+from kda_lm import hf
 from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import state as state_lib
 from kda_lm.checkpoint import workdir as workdir_lib
@@ -23,8 +26,9 @@ from kda_lm.hf import workdir as hf_workdir
 from kda_lm.infer import decoding, generate
 from kda_lm.parallel import sharding
 from kda_lm.train import loop as train_loop
+from testbed import corpora
 
-FIXTURE = os.path.join(testing.REPO, "tests", "testdata", "hf",
+FIXTURE = os.path.join(process_support.REPO, "tests", "testdata", "hf",
                        "bailing_hybrid")
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
@@ -34,12 +38,12 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 def assert_same_tree(got, want, what):
   assert jax.tree.structure(got) == jax.tree.structure(want), what
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    testing.assert_same(a, b, what)
+    kda_support.assert_same(a, b, what)
 
 
 def test_import_train_export_import(tmp_path):
   workdir, out = str(tmp_path / "run"), str(tmp_path / "export")
-  base = testing.tiny_train_config(
+  base = helpers.tiny_train_config(
       str(tmp_path / "data"), train__num_steps=5, train__log_every=5,
       eval__every_steps=0, checkpoint__every_steps=5,
       checkpoint__async_save=False)
@@ -109,7 +113,7 @@ def _text_run(tmp_path, **data):
   """A `Run` (no parameters) of a JSONL corpus with `data`'s settings."""
   corpus = tmp_path / "corpus.jsonl"
   corpus.write_text("".join(json.dumps({"text": t}) + "\n"
-                            for t in testing.corpus_texts(40)))
+                            for t in corpora.corpus_texts(40)))
   config = ml_collections.ConfigDict({"data": dict(
       pipeline.default_config().to_dict(), name="jsonl", files=str(corpus),
       data_dir=str(tmp_path / "data"), **data)})

@@ -4,10 +4,10 @@ import os
 
 import jax
 import jax.numpy as jnp
+import process_support
 import pytest
 
 from experiments import hlo_flops
-from kda_lm import testing
 from kda_lm.ops import gmm
 
 L, B, W = 5, 8, 64  # Layers scanned, rows, width.
@@ -110,7 +110,8 @@ def test_a_checkpoint_replay_is_counted_as_recompute():
 
 
 # Lines in the TPU compiler's format (tests/testdata/README.md).
-TPU_HLO = os.path.join(testing.REPO, "tests", "testdata", "tpu_like.hlo")
+TPU_HLO = os.path.join(process_support.REPO, "tests", "testdata",
+                       "tpu_like.hlo")
 
 
 def test_the_tpu_compilers_forms():

@@ -23,7 +23,6 @@ import tokenizers
 from configs import ling3_tiny
 from data import tokenizer as tokenizer_lib
 from kda_lm import model as model_lib
-from kda_lm import testing
 from kda_lm.checkpoint import state as state_lib
 from kda_lm.infer import generate
 
@@ -171,7 +170,7 @@ def test_text_codec_of_a_run_on_a_released_tokenizer(tmp_path):
   texts = ["def f(x):\n  return x", "naïve café"]
   # Not in the run directory, where it would be an imported model's.
   os.makedirs(tmp_path / "tokenizer")
-  path = testing.write_hf_tokenizer(
+  path = helpers.write_hf_tokenizer(
       str(tmp_path / "tokenizer" / "tokenizer.json"), texts * 20,
       vocab_size=280)
   config = tiny_config(4)

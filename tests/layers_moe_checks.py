@@ -30,9 +30,9 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments import hlo_flops  # noqa: E402
-from kda_lm import testing  # noqa: E402
 from kda_lm.layers import moe  # noqa: E402
 from kda_lm.parallel import sharding  # noqa: E402
+from testbed import numerics  # noqa: E402
 
 B, T, D, E, F = 8, 6, 8, 8, 4
 # (data, fsdp, expert, context).
@@ -92,13 +92,13 @@ def errors(top_k, impl, mesh_names):
         (_, (y, load)), g = grad(p, jax.device_put(x, rows),
                                  jax.device_put(valid, rows))
       out[f"{impl}_top{top_k}_{routing}_{name}"] = {
-          "y": testing.rel_err(y, y1),
+          "y": numerics.rel_err(y, y1),
           "load": float(np.abs(np.asarray(load) - load1).max()),
           "load_total": float(np.asarray(load).sum()),
           "valid_pairs": float(top_k * np.asarray(valid).sum()),
-          "grads": max(testing.rel_err(a, b) for a, b in zip(
+          "grads": max(numerics.rel_err(a, b) for a, b in zip(
               jax.tree.leaves(g), jax.tree.leaves(g1), strict=True)),
-          "expert_grads": max(testing.rel_err(g[0]["moe"][k], g1[0]["moe"][k])
+          "expert_grads": max(numerics.rel_err(g[0]["moe"][k], g1[0]["moe"][k])
                               for k in sharding.EXPERT_WEIGHTS),
           "experts_used": int(np.sum(np.asarray(load1) > 0)),
           "expert_spec": str(p["moe"]["gate_proj"].sharding.spec)}

@@ -13,12 +13,14 @@ import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
+import process_support
 import pytest
 
-from kda_lm import model, testing
+from kda_lm import model
 from kda_lm.layers import moe
 from kda_lm.ops import gmm
 from kda_lm.parallel import maps as parallel_maps
+from testbed import numerics
 
 D, E, K, F = 8, 8, 3, 4
 N_GROUP, TOPK_GROUP, SCALE = 4, 2, 2.5
@@ -220,10 +222,10 @@ def test_grouped_matmuls_equal_the_ragged_dot_layer(impl):
 
   (y_ref, load_ref), g_ref = run("ragged_dot")
   (y, load), g = run(impl)
-  assert testing.rel_err(y, y_ref) <= 1e-6
+  assert numerics.rel_err(y, y_ref) <= 1e-6
   np.testing.assert_array_equal(load, load_ref)
   for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
-    assert testing.rel_err(a, b) <= 1e-6
+    assert numerics.rel_err(a, b) <= 1e-6
 
 
 def _emulated_ragged_exchange(operand, output, input_offsets, send_sizes,
@@ -315,7 +317,7 @@ def test_expert_parallel_dispatch_equals_one_device(n, routing, ragged):
   assert 1e-8 < tol < 2e-5, tol
   got = [loss] + jax.tree.leaves(g)
   for a, b in zip(got, want, strict=True):
-    assert testing.rel_err(a, b) <= tol, (testing.rel_err(a, b), tol)
+    assert numerics.rel_err(a, b) <= tol, (numerics.rel_err(a, b), tol)
 
 
 def _ulp_floor(x, idx, w, weights, cot, want):
@@ -325,7 +327,7 @@ def _ulp_floor(x, idx, w, weights, cot, want):
   nudge = lambda a: a * (1 + np.float32(2.0 ** -23) * rng.choice(
       np.array([-1, 1], np.float32), a.shape))
   loss, g = _WHOLE(nudge(x), idx, nudge(w), [nudge(a) for a in weights], cot)
-  return max(testing.rel_err(a, b)
+  return max(numerics.rel_err(a, b)
              for a, b in zip([loss] + jax.tree.leaves(g), want, strict=True))
 
 
@@ -367,19 +369,20 @@ def test_capacity_factor_drops_the_pairs_past_capacity():
   for ragged in (False, True):
     y = jax.jit(functools.partial(_expert_parallel_vmapped, ragged=ragged,
                                   capacity_factor=0.5))(x, idx, w, weights)
-    assert testing.rel_err(y.reshape(-1, D), y_ref) <= 1e-6
+    assert numerics.rel_err(y.reshape(-1, D), y_ref) <= 1e-6
 
 
-CHECKS = os.path.join(testing.REPO, "tests", "layers_moe_checks.py")
+CHECKS = os.path.join(process_support.REPO, "tests", "layers_moe_checks.py")
 
 
 def test_expert_parallel_layer_on_meshes_equals_one_device():
   """`layers_moe_checks.py` (8 fake devices): the layer under expert=2
   and 4 meshes (beside data, fsdp, context) against no mesh; the shared
   experts' FLOPs per device under fsdp x context."""
-  result = subprocess.run([sys.executable, CHECKS], cwd=testing.REPO,
-                          env=testing.subprocess_env(), capture_output=True,
-                          text=True, timeout=600, check=False)
+  result = subprocess.run([sys.executable, CHECKS], cwd=process_support.REPO,
+                          env=process_support.subprocess_env(),
+                          capture_output=True, text=True, timeout=600,
+                          check=False)
   assert result.returncode == 0, result.stderr[-4000:]
   out = json.loads(result.stdout.strip().splitlines()[-1])
   # The shared experts run on each device's own tokens: flattening [B,T]
@@ -479,15 +482,15 @@ def test_clamped_experts_on_one_device_and_over_shards():
   want = _clamped_reference(x, idx, w, weights, limit)
   one = moe.dispatch_swiglu(x, idx, w, *weights, impl="ragged_dot",
                             limit=limit)
-  assert testing.rel_err(one, want) < 1e-6
+  assert numerics.rel_err(one, want) < 1e-6
   local = [a.reshape(n, E // n, *a.shape[1:]) for a in weights]
   fn = functools.partial(moe.expert_parallel_swiglu, shards=n,
                          impl="ragged_dot", limit=limit)
   split = jax.vmap(fn, axis_name=parallel_maps.EXPERT_AXIS)(
       x.reshape(n, M, D), idx.reshape(n, M, A), w.reshape(n, M, A), *local)
-  assert testing.rel_err(split.reshape(-1, D), want) < 1e-6
+  assert numerics.rel_err(split.reshape(-1, D), want) < 1e-6
   plain = moe.dispatch_swiglu(x, idx, w, *weights, impl="ragged_dot")
-  assert testing.rel_err(plain, want) > 0.05
+  assert numerics.rel_err(plain, want) > 0.05
 
 
 def test_dispatch_gradient_gathers_rather_than_scatters():

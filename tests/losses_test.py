@@ -7,8 +7,9 @@ import numpy as np
 import optax
 import pytest
 
-from kda_lm import losses, testing
+from kda_lm import losses
 from kda_lm.parallel import sharding
+from testbed import numerics
 
 # A packed row of two documents, then padding.
 ROW = helpers.LOSS_ROW
@@ -77,7 +78,7 @@ def test_chunked_head_equals_the_logits_and_names_a_bad_split():
   want_g = grad(lambda a, b: losses.loss_terms(a @ b, batch)[0])
   got_g = grad(lambda a, b: losses.loss_terms(a, batch, b, 4)[0])
   for g, h in zip(got_g, want_g, strict=True):
-    assert testing.rel_err(g, h) < 1e-6
+    assert numerics.rel_err(g, h) < 1e-6
   mtp = losses.mtp_loss((y @ w)[None], batch)
   np.testing.assert_allclose(losses.mtp_loss(y[None], batch, None, w, 2),
                              mtp, rtol=1e-6)
@@ -141,7 +142,7 @@ def test_chunked_head_makes_its_gradient_with_the_loss():
       bf(y).astype(jnp.float32), bf(w).astype(jnp.float32))
   for g, h in zip(got, want, strict=True):
     assert g.dtype == jnp.bfloat16
-    assert testing.rel_err(g.astype(jnp.float32), h) < 1e-2
+    assert numerics.rel_err(g.astype(jnp.float32), h) < 1e-2
 
 
 @pytest.mark.parametrize("shape", [(1, 4, 1, 1), (2, 2, 1, 1),

@@ -26,11 +26,12 @@ import numpy as np  # noqa: E402
 from configs import ling3_tiny  # noqa: E402
 from kda_lm import config as config_lib  # noqa: E402
 from kda_lm import model as model_lib  # noqa: E402
-from kda_lm import optimizer, segments, testing  # noqa
+from kda_lm import optimizer, segments  # noqa
 from kda_lm.checkpoint import state as state_lib
 from kda_lm.ops.kda import pallas  # noqa: E402
 from kda_lm.parallel import sharding
 from kda_lm.train import step as step_lib
+from testbed import numerics  # noqa
 
 B, T = 4, 128
 MESHES = {"fsdp4": (1, 4, 1), "data4": (4, 1, 1), "data2_fsdp2": (2, 2, 1)}
@@ -87,8 +88,8 @@ def step_errors(kda_impl, moe_impl):
     with jax.set_mesh(m):
       (loss, _), grads = jax.jit(grad)(params, rows)
     out[f"{kda_impl}_{moe_impl}_{name}"] = {
-        "loss": testing.rel_err(loss, loss1),
-        "grads": max(testing.rel_err(a, b) for a, b in zip(
+        "loss": numerics.rel_err(loss, loss1),
+        "grads": max(numerics.rel_err(a, b) for a, b in zip(
             jax.tree.leaves(grads), jax.tree.leaves(grads1), strict=True))}
   return out
 
@@ -119,8 +120,8 @@ def document_errors(kda_impl, moe_impl):
   alone = jax.jit(model.apply)(params, tokens, seg)
   worst = 0.0
   for i, (row, where) in enumerate(docs):
-    worst = max(worst, testing.rel_err(packed[row, where],
-                                       alone[i, :len(where)]))
+    worst = max(worst, numerics.rel_err(packed[row, where],
+                                        alone[i, :len(where)]))
   return worst
 
 

@@ -20,17 +20,18 @@ import sys
 import jax
 import jax.extend
 import jax.numpy as jnp
+import process_support
 import pytest
 
 from configs import ling3_tiny
 from kda_lm import model as model_lib
-from kda_lm import optimizer, testing
+from kda_lm import optimizer
 from kda_lm.checkpoint import state as state_lib
 from kda_lm.parallel import maps as parallel_maps
 from kda_lm.parallel import sharding
 from kda_lm.train import step as step_lib
 
-REPO = testing.REPO
+REPO = process_support.REPO
 CHECKS = os.path.join(REPO, "tests", "mesh_checks.py")
 TOL = 1e-5
 AUTO = jax.sharding.AxisType.Auto
@@ -154,8 +155,9 @@ def test_without_a_mesh_the_layers_call_the_ops_directly():
 @pytest.mark.parametrize("impl", ["xla,xla", "pallas,megablox"])
 def test_sharded_step_equals_one_device(impl):
   result = subprocess.run([sys.executable, CHECKS, impl], cwd=REPO,
-                          env=testing.subprocess_env(), capture_output=True,
-                          text=True, timeout=900, check=False)
+                          env=process_support.subprocess_env(),
+                          capture_output=True, text=True, timeout=900,
+                          check=False)
   assert result.returncode == 0, result.stderr[-4000:]
   results = json.loads(result.stdout.strip().splitlines()[-1])
   impl = impl.replace(",", "_")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kda_lm.ops import gmm
-from kda_lm.testing import rel_err
+from testbed import numerics
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 TOL = 1e-6
@@ -50,11 +50,11 @@ def test_matches_ragged_dot(impl, name):
   (want, (dlhs_want, drhs_want)) = loss("ragged_dot")(lhs, rhs)
   out = gmm.gmm(lhs, rhs, group_sizes, impl=impl, tile_m=tm)
   ref = jax.lax.ragged_dot(lhs, rhs, group_sizes)
-  assert rel_err(out, ref) <= TOL
+  assert numerics.rel_err(out, ref) <= TOL
   value, (dlhs, drhs) = loss(impl)(lhs, rhs)
-  assert rel_err(value, want) <= TOL
-  assert rel_err(dlhs, dlhs_want) <= TOL
-  assert rel_err(drhs, drhs_want) <= TOL
+  assert numerics.rel_err(value, want) <= TOL
+  assert numerics.rel_err(dlhs, dlhs_want) <= TOL
+  assert numerics.rel_err(drhs, drhs_want) <= TOL
   # Rows past the groups: output and gradient exactly zero.
   used = int(np.sum(sizes))
   assert not np.any(np.asarray(out[used:]))

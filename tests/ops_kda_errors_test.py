@@ -1,24 +1,24 @@
 """Tests of the KDA op's input checks, options and autodiff modes."""
 
 import jax
+import kda_support
 import numpy as np
 import pytest
 
-from kda_lm import testing
 from kda_lm.ops import chunk_kda
 from kda_lm.ops.kda import api
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
-IMPLS_UNDER_TEST = testing.KDA_IMPLS_UNDER_TEST
-TOKEN_FIELDS = testing.KDA_TOKEN_FIELDS
-PACKED_STATIC = testing.KDA_PACKED_STATIC
-_Report = testing.ErrorReport
-assert_same = testing.assert_same
-fwd_and_grads = testing.kda_fwd_and_grads
-packed_layout = testing.kda_packed_layout
-packed_inputs = testing.kda_packed_inputs
+IMPLS_UNDER_TEST = kda_support.KDA_IMPLS_UNDER_TEST
+TOKEN_FIELDS = kda_support.KDA_TOKEN_FIELDS
+PACKED_STATIC = kda_support.KDA_PACKED_STATIC
+_Report = kda_support.ErrorReport
+assert_same = kda_support.assert_same
+fwd_and_grads = kda_support.kda_fwd_and_grads
+packed_layout = kda_support.kda_packed_layout
+packed_inputs = kda_support.kda_packed_inputs
 
 
 # ----------------------------------------------------------------------------

@@ -3,20 +3,19 @@
 import functools
 import os
 
+import kda_support
 import numpy as np
 import pytest
-
-from kda_lm import testing
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
-ALL_IMPLS = testing.KDA_ALL_IMPLS
-DIFF_FIELDS = testing.KDA_DIFF_FIELDS
-TOKEN_FIELDS = testing.KDA_TOKEN_FIELDS
-_Report = testing.ErrorReport
-assert_same = testing.assert_same
-fwd_and_grads = testing.kda_fwd_and_grads
+ALL_IMPLS = kda_support.KDA_ALL_IMPLS
+DIFF_FIELDS = kda_support.KDA_DIFF_FIELDS
+TOKEN_FIELDS = kda_support.KDA_TOKEN_FIELDS
+_Report = kda_support.ErrorReport
+assert_same = kda_support.assert_same
+fwd_and_grads = kda_support.kda_fwd_and_grads
 
 # FLA's outputs and gradients for six KDA cases (tests/testdata/README.md).
 GOLDEN_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)),

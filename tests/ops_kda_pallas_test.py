@@ -6,8 +6,8 @@ kernel output buffer with NaN before the kernel runs (checked by
 unwritten buffer shows up as NaN in outputs or gradients: padding gradients
 are required to be exactly 0 and finite with that fill on.
 
-Error metric: `kda_lm.testing.rel_err(a, b) = ||a - b||_2 / ||b||_2` in
-float64 (as in tests/ops_kda_reference_test.py). Float32 tolerances: 1e-5
+Error metric: `testbed.numerics.rel_err(a, b) = ||a - b||_2 / ||b||_2`
+in float64 (as in tests/ops_kda_reference_test.py). Float32 tolerances: 1e-5
 forward, 1e-4 gradients.
 
 The cross-lowering tests pass non-interpret options and lower the forward
@@ -32,10 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kda_lm import testing
 from kda_lm.ops import chunk_kda
 from kda_lm.ops.kda import api, pallas
 from kda_lm.ops.kda.pallas import options
+from testbed import kda_cases, numerics
 
 H, K, V = 2, 32, 16
 FIELDS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
@@ -49,7 +49,7 @@ CPU = pallas.for_platform("cpu")   # interpret mode, IEEE float32 dots
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
-rel_err = testing.rel_err
+rel_err = numerics.rel_err
 
 
 def _check(what, got, want, tol):
@@ -483,10 +483,10 @@ def test_tpu_family_gates_at_the_floor_with_wide_heads():
   spacing (3e-5) the gate gradients inherit, and dA_log and dt_bias sum
   them over every token with cancellation: 3e-4 for those two."""
   rng = np.random.default_rng(11)
-  params, static = testing.kda_inputs(rng, 1, 128, 2, 128, 128, gate="floor",
-                                      l2norm=True)
-  do, dht = testing.kda_cotangents(rng, params["v"].shape, 1, 128)
-  o_ref, s_ref, g_ref = testing.kda_float64(params, do, dht, **static)
+  params, static = kda_cases.kda_inputs(rng, 1, 128, 2, 128, 128, gate="floor",
+                                        l2norm=True)
+  do, dht = kda_cases.kda_cotangents(rng, params["v"].shape, 1, 128)
+  o_ref, s_ref, g_ref = kda_cases.kda_float64(params, do, dht, **static)
   o, s, grads = fwd_and_grads("pallas", params, None, do, dht, **static,
                               pallas_options=TPU_CPU)
   _check("o", o, o_ref, FWD_TOL)

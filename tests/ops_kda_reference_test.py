@@ -2,35 +2,38 @@
 
 import functools
 
+import kda_support
 import ml_dtypes
 import numpy as np
+import process_support
 import pytest
 
-from kda_lm import testing
+from testbed import kda_cases, numerics
 
 # Tiny shapes: compilation dominates (conftest.fast_compile); two cases of
 # `test_optimised_compile_matches_reference` compile with every
 # optimization, as users run the op.
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
-ALL_IMPLS = testing.KDA_ALL_IMPLS
-B, H, K, V = testing.KDA_B, testing.KDA_H, testing.KDA_K, testing.KDA_V
-DIFF_FIELDS = testing.KDA_DIFF_FIELDS
-TOKEN_FIELDS = testing.KDA_TOKEN_FIELDS
+ALL_IMPLS = kda_support.KDA_ALL_IMPLS
+B, H, K, V = (kda_support.KDA_B, kda_support.KDA_H, kda_support.KDA_K,
+              kda_support.KDA_V)
+DIFF_FIELDS = kda_support.KDA_DIFF_FIELDS
+TOKEN_FIELDS = kda_support.KDA_TOKEN_FIELDS
 GATE_FIELDS = ("g", "A_log", "dt_bias")
 BF16 = ml_dtypes.bfloat16
-PACKED_STATIC = testing.KDA_PACKED_STATIC
-_Report = testing.ErrorReport
-assert_same = testing.assert_same
-fwd_and_grads = testing.kda_fwd_and_grads
-make_inputs = testing.kda_test_inputs
-make_cotangents = testing.kda_test_cotangents
-random_row = testing.random_segment_row
-segments_of = testing.segments_of
-packed_layout = testing.kda_packed_layout
-packed_inputs = testing.kda_packed_inputs
-_sigmoid = testing.sigmoid
-_logsigmoid = testing.logsigmoid
+PACKED_STATIC = kda_support.KDA_PACKED_STATIC
+_Report = kda_support.ErrorReport
+assert_same = kda_support.assert_same
+fwd_and_grads = kda_support.kda_fwd_and_grads
+make_inputs = kda_support.kda_test_inputs
+make_cotangents = kda_support.kda_test_cotangents
+random_row = kda_support.random_segment_row
+segments_of = kda_support.segments_of
+packed_layout = kda_support.kda_packed_layout
+packed_inputs = kda_support.kda_packed_inputs
+_sigmoid = numerics.sigmoid
+_logsigmoid = numerics.logsigmoid
 
 
 # ----------------------------------------------------------------------------
@@ -93,7 +96,7 @@ def case_inputs(name):
 def _float64_result(name):
   """The float64 recurrence on the case's (rounded, for bfloat16) inputs."""
   params, _, static, seg, do, dht = case_inputs(name)
-  return testing.kda_float64(params, do, dht, seg, **static)
+  return kda_cases.kda_float64(params, do, dht, seg, **static)
 
 
 @pytest.mark.parametrize("impl", ALL_IMPLS)
@@ -104,8 +107,8 @@ def test_matches_reference(name, impl):
 
 # Every XLA optimization inside (this module skips most); use with
 # `fresh=True`, since jit's cache ignores the setting.
-_fully_optimised = functools.partial(testing.most_optimizations_disabled,
-                                     False)
+_fully_optimised = functools.partial(
+    process_support.most_optimizations_disabled, False)
 
 
 @pytest.mark.parametrize("name", ["t200_softplus_h0_segs", "t200_safe"])
@@ -151,10 +154,10 @@ def test_gates_at_the_floor_with_wide_heads():
   dA_log by 150% here). Every implementation and its gradients against the
   float64 recurrence (the Pallas TPU family: tests/ops_kda_pallas_test)."""
   rng = np.random.default_rng(11)
-  params, static = testing.kda_inputs(rng, 1, 128, 2, 128, 128, gate="floor",
-                                      l2norm=True)
-  do, dht = testing.kda_cotangents(rng, params["v"].shape, 1, 128)
-  o_ref, s_ref, g_ref = testing.kda_float64(params, do, dht, **static)
+  params, static = kda_cases.kda_inputs(rng, 1, 128, 2, 128, 128, gate="floor",
+                                        l2norm=True)
+  do, dht = kda_cases.kda_cotangents(rng, params["v"].shape, 1, 128)
+  o_ref, s_ref, g_ref = kda_cases.kda_float64(params, do, dht, **static)
   for impl in ALL_IMPLS:
     o, s, grads = fwd_and_grads(impl, params, do, dht, **static)
     rep = _Report(f"floor gates, K=128 [{impl} vs float64 recurrence]")

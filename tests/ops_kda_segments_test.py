@@ -1,28 +1,28 @@
 """Tests of the KDA op's segment resets: packing, cu_seqlens, reused ids."""
 
 import jax
+import kda_support
 import numpy as np
 import pytest
 
-from kda_lm import testing
 from kda_lm.ops import chunk_kda
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
-ALL_IMPLS = testing.KDA_ALL_IMPLS
-H, K, V = testing.KDA_H, testing.KDA_K, testing.KDA_V
-TOKEN_FIELDS = testing.KDA_TOKEN_FIELDS
-PACKED_B, PACKED_T = testing.KDA_PACKED_B, testing.KDA_PACKED_T
-PACKED_STATIC = testing.KDA_PACKED_STATIC
-_Report = testing.ErrorReport
-assert_same = testing.assert_same
-fwd_and_grads = testing.kda_fwd_and_grads
-fwd = testing.kda_fwd
-make_inputs = testing.kda_test_inputs
-segments_of = testing.segments_of
-packed_layout = testing.kda_packed_layout
-packed_inputs = testing.kda_packed_inputs
+ALL_IMPLS = kda_support.KDA_ALL_IMPLS
+H, K, V = kda_support.KDA_H, kda_support.KDA_K, kda_support.KDA_V
+TOKEN_FIELDS = kda_support.KDA_TOKEN_FIELDS
+PACKED_B, PACKED_T = kda_support.KDA_PACKED_B, kda_support.KDA_PACKED_T
+PACKED_STATIC = kda_support.KDA_PACKED_STATIC
+_Report = kda_support.ErrorReport
+assert_same = kda_support.assert_same
+fwd_and_grads = kda_support.kda_fwd_and_grads
+fwd = kda_support.kda_fwd
+make_inputs = kda_support.kda_test_inputs
+segments_of = kda_support.segments_of
+packed_layout = kda_support.kda_packed_layout
+packed_inputs = kda_support.kda_packed_inputs
 
 
 # ----------------------------------------------------------------------------

@@ -5,7 +5,7 @@ mode in tests/ops_kda_pallas_test.py). The token-by-token reference runs on
 the host's CPU (on the chip, its 1000 sequential decays land 6.5e-6 from
 the CPU result, measured).
 
-Error metric: `testing.rel_err` (L2 ratio, float64). Tolerances: float32
+Error metric: `numerics.rel_err` (L2 ratio, float64). Tolerances: float32
 inputs with every kernel dot at HIGHEST, 1e-5 (outputs, final state) and
 1e-4 (gradients); bfloat16 inputs with the default TPU options against the
 float32 reference, 1e-2.
@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kda_lm import testing
 from kda_lm.ops import chunk_kda
 from kda_lm.ops.kda import pallas
+from testbed import kda_cases, numerics
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "tpu", reason="needs a TPU")
@@ -64,16 +64,16 @@ def run(impl, params, seg, do, dht, options=None, dtype=jnp.float32):
 
 def make(B, T, H, D, seed=0):
   rng = np.random.default_rng(seed)
-  params, _ = testing.kda_inputs(rng, B, T, H, D, D, gate="safe",
-                                 l2norm=True)
-  do, dht = testing.kda_cotangents(rng, (B, T, H, D), B, D)
+  params, _ = kda_cases.kda_inputs(rng, B, T, H, D, D, gate="safe",
+                                   l2norm=True)
+  do, dht = kda_cases.kda_cotangents(rng, (B, T, H, D), B, D)
   return params, do, dht
 
 
 def compare(got, want, fwd_tol, grad_tol):
   (o, s, g), (o_ref, s_ref, g_ref) = got, want
-  errs = {"o": testing.rel_err(o, o_ref), "state": testing.rel_err(s, s_ref)}
-  errs.update({"d" + n: testing.rel_err(g[n], g_ref[n]) for n in FIELDS})
+  errs = {"o": numerics.rel_err(o, o_ref), "state": numerics.rel_err(s, s_ref)}
+  errs.update({"d" + n: numerics.rel_err(g[n], g_ref[n]) for n in FIELDS})
   print(" ".join(f"{n}={e:.1e}" for n, e in errs.items()))
   for n, e in errs.items():
     assert e <= (fwd_tol if n in ("o", "state") else grad_tol), (n, e)
@@ -141,16 +141,16 @@ def test_gates_at_the_floor_float32_highest():
   (interpret mode on CPU: 1.4e-4 and 1.7e-4; why, there): 6e-4 for those
   two sums."""
   rng = np.random.default_rng(11)
-  params, static = testing.kda_inputs(rng, 1, 128, 2, 128, 128, gate="floor",
-                                      l2norm=True)
-  do, dht = testing.kda_cotangents(rng, params["v"].shape, 1, 128)
+  params, static = kda_cases.kda_inputs(rng, 1, 128, 2, 128, 128, gate="floor",
+                                        l2norm=True)
+  do, dht = kda_cases.kda_cotangents(rng, params["v"].shape, 1, 128)
   with jax.default_device(jax.devices("cpu")[0]):
-    want = testing.kda_float64(params, do, dht, **static)
+    want = kda_cases.kda_float64(params, do, dht, **static)
   seg = np.ones((1, 128), np.int32)
   got = run("pallas", params, seg, do, dht, HIGHEST)
   (o, s, g), (o_ref, s_ref, g_ref) = got, want
-  errs = {"o": testing.rel_err(o, o_ref), "state": testing.rel_err(s, s_ref)}
-  errs.update({"d" + n: testing.rel_err(g[n], g_ref[n]) for n in FIELDS})
+  errs = {"o": numerics.rel_err(o, o_ref), "state": numerics.rel_err(s, s_ref)}
+  errs.update({"d" + n: numerics.rel_err(g[n], g_ref[n]) for n in FIELDS})
   print(" ".join(f"{n}={e:.1e}" for n, e in errs.items()))
   for n, e in errs.items():
     tol = (FWD_TOL if n in ("o", "state") else

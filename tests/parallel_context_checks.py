@@ -23,11 +23,11 @@ import numpy as np  # noqa: E402
 
 from configs import ling3_tiny  # noqa: E402
 from kda_lm import model as model_lib  # noqa: E402
-from kda_lm import testing  # noqa: E402
 from kda_lm.layers import conv, mla  # noqa: E402
 from kda_lm.ops.kda import pallas  # noqa: E402
 from kda_lm.parallel import context as context_parallel
 from kda_lm.parallel import sharding
+from testbed import kda_cases, numerics  # noqa: E402
 
 T_OP = 128
 
@@ -65,9 +65,9 @@ def op_errors(gate, shards, impl="xla"):
     settings = dict(impl="pallas", chunk_size=64,
                     pallas_options=pallas.for_platform("cpu"))
   rng = np.random.default_rng(0)
-  params, static = testing.kda_inputs(rng, 2, T_OP, 2, 16, 16, gate=gate,
-                                      l2norm=True)
-  do, dht = testing.kda_cotangents(rng, (2, T_OP, 2, 16), 2, 16)
+  params, static = kda_cases.kda_inputs(rng, 2, T_OP, 2, 16, 16, gate=gate,
+                                        l2norm=True)
+  do, dht = kda_cases.kda_cotangents(rng, (2, T_OP, 2, 16), 2, 16)
   ids = op_ids()
 
   def loss(p):
@@ -88,8 +88,8 @@ def op_errors(gate, shards, impl="xla"):
   for n in shards:
     (_, (o, s)), g = results[n]
     out[f"op_{impl}_{gate}_{n}"] = {
-        "o": testing.rel_err(o, o1), "final_state": testing.rel_err(s, s1),
-        **{f"d{k}": testing.rel_err(g[k], g1[k]) for k in g1}}
+        "o": numerics.rel_err(o, o1), "final_state": numerics.rel_err(s, s1),
+        **{f"d{k}": numerics.rel_err(g[k], g1[k]) for k in g1}}
   return out
 
 
@@ -162,8 +162,8 @@ def keep_errors():
   ids = keep_ids()
   out["keep_state_ids"] = {"mismatches": int(np.sum(
       keep_state(ids, 4) != keep_state_reference(ids, 4)))}
-  params, static = testing.kda_inputs(np.random.default_rng(3), 3, 64, 2,
-                                      16, 16, gate="safe", l2norm=True)
+  params, static = kda_cases.kda_inputs(np.random.default_rng(3), 3, 64, 2,
+                                        16, 16, gate="safe", l2norm=True)
 
   def op(p):
     return context_parallel.chunk_kda(
@@ -177,8 +177,8 @@ def keep_errors():
     with jax.set_mesh(mesh(n)):
       results[n] = jax.jit(op)(params)
   (o1, s1), (o4, s4) = results[1], results[4]
-  out["keep_op_4"] = {"o": testing.rel_err(o4, o1),
-                      "final_state": testing.rel_err(s4, s1)}
+  out["keep_op_4"] = {"o": numerics.rel_err(o4, o1),
+                      "final_state": numerics.rel_err(s4, s1)}
   return out
 
 
@@ -214,8 +214,8 @@ def layer_errors(name, build, shards=(4,), T=64):
   for n in shards:
     (_, y), g = res[n]
     out[name if n == 4 else f"{name}_{n}"] = {
-        "y": testing.rel_err(y, y1), "grads": max(
-            testing.rel_err(a, b) for a, b in zip(
+        "y": numerics.rel_err(y, y1), "grads": max(
+            numerics.rel_err(a, b) for a, b in zip(
                 jax.tree.leaves(g), jax.tree.leaves(g1), strict=True))}
   return out
 
@@ -256,9 +256,9 @@ def model_errors(n=4):
       res[m] = step(params, tokens, ids)
   (_, l1), g1 = res[1]
   (_, ln), gn = res[n]
-  out = {"logits": max(testing.rel_err(a, b)
+  out = {"logits": max(numerics.rel_err(a, b)
                        for a, b in zip(ln, l1, strict=True)), "grads": max(
-      testing.rel_err(a, b)
+      numerics.rel_err(a, b)
       for a, b in zip(jax.tree.leaves(gn), jax.tree.leaves(g1), strict=True))}
   # Row 0's documents one at a time, each at the start of a padded row.
   alone, spans = [], []
@@ -275,7 +275,7 @@ def model_errors(n=4):
                       jnp.asarray(np.stack([a[1] for a in alone])))
   # Main logits [B,T,W] and MTP logits [1,B,T,W].
   out["documents"] = max(
-      testing.rel_err(a[..., i, :w.size, :], b[..., 0, w, :])
+      numerics.rel_err(a[..., i, :w.size, :], b[..., 0, w, :])
       for a, b in zip(la, ln, strict=True) for i, w in enumerate(spans))
   return {"model": out}
 

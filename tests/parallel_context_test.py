@@ -18,9 +18,9 @@ import sys
 
 import jax
 import numpy as np
+import process_support
 import pytest
 
-from kda_lm import testing
 from kda_lm.parallel import context as context_parallel
 from kda_lm.parallel import maps as parallel_maps
 
@@ -31,7 +31,7 @@ FWD, GRAD = 1e-5, 1e-4
 
 def _run_checks(group):
   result = subprocess.run([sys.executable, CHECKS, group], cwd=REPO,
-                          env=testing.subprocess_env(),
+                          env=process_support.subprocess_env(),
                           capture_output=True, text=True, timeout=600,
                           check=False)
   assert result.returncode == 0, result.stderr[-4000:]

@@ -16,12 +16,13 @@ import sys
 import threading
 import time
 
+import helpers
 import jax
 import ml_collections
 import numpy as np
+import process_support
 import pytest
 
-from kda_lm import testing
 from kda_lm.parallel import distributed
 from kda_lm.train import metrics, preemption
 
@@ -30,7 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ling3_tiny shrunk to one KDA layer with a dense feed-forward, 4 x 32 tokens
 # per global batch, no eval: compilation dominates on 2 CPU cores.
 OVERRIDES = {
-    **testing.TINY_TRAIN_OVERRIDES,
+    **helpers.TINY_TRAIN_OVERRIDES,
     "model.attention_pattern": "K",
     "model.num_experts": 0,
     "train.num_steps": 10,
@@ -330,7 +331,7 @@ def test_train_py_without_coordinator_fails_in_time(tmp_path):
              "--config.mesh.coordinator_timeout_s=3"]
   start = time.monotonic()
   result = subprocess.run(command, cwd=REPO,
-                          env=testing.subprocess_env(str(tmp_path)),
+                          env=process_support.subprocess_env(str(tmp_path)),
                           capture_output=True, text=True, timeout=120,
                           check=False)
   assert result.returncode != 0
@@ -348,14 +349,14 @@ def test_two_processes_match_one_and_resume(tmp_path):
       [sys.executable, "-c", _REFERENCE, json.dumps(
           {**OVERRIDES, "data.data_dir": data_dir,
            "checkpoint.enabled": False}), reference],
-      cwd=REPO, env=testing.subprocess_env(
+      cwd=REPO, env=process_support.subprocess_env(
           cache_dir, "--xla_force_host_platform_device_count=2"),
       capture_output=True, text=True, timeout=300, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   expected = metrics.read_metrics(reference)
   assert [r["step"] for r in expected] == list(range(1, 11))
 
-  env = testing.subprocess_env(cache_dir)
+  env = process_support.subprocess_env(cache_dir)
   first = str(tmp_path / "first")
   logs = _two_processes(first, data_dir, env)
   for i, log in enumerate(logs):
@@ -404,7 +405,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
   at one step k, both save it and exit with the preemption status, and a
   rerun of both resumes from step k."""
   data_dir, cache_dir = str(tmp_path / "tfds"), str(tmp_path / "jax_cache")
-  env = testing.subprocess_env(cache_dir)
+  env = process_support.subprocess_env(cache_dir)
   workdir = str(tmp_path / "run")
   procs, logs = _start_two(tmp_path, workdir, data_dir, env)
   try:
@@ -446,7 +447,7 @@ def test_a_killed_process_stops_the_other_with_one_line(tmp_path):
   process in one line, with no fatal-error dump; a rerun of both resumes
   from the newest complete checkpoint."""
   data_dir, cache_dir = str(tmp_path / "tfds"), str(tmp_path / "jax_cache")
-  env = testing.subprocess_env(cache_dir)
+  env = process_support.subprocess_env(cache_dir)
   workdir = str(tmp_path / "run")
   procs, logs = _start_two(tmp_path, workdir, data_dir, env,
                           "--config.mesh.heartbeat_timeout_s=30")

@@ -3,11 +3,11 @@
 import math
 import os
 
+import helpers
 import numpy as np
 import pytest
 
 from experiments import reset_study
-from kda_lm import testing
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -26,7 +26,7 @@ def _tiny_config(corpus):
 
 def test_study_runs_end_to_end_and_writes_its_table(tmp_path):
   corpus = str(tmp_path / "corpus")
-  testing.write_text_corpus(corpus)
+  helpers.write_text_corpus(corpus)
   config = _tiny_config(corpus)
   assert config.model.vocab_size == 300     # Linked to the BPE size.
   # eval_len = seq_len: one compiled eval shape for both evaluations.

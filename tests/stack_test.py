@@ -8,13 +8,15 @@ import helpers
 import jax
 import jax.extend
 import jax.numpy as jnp
+import kda_support
 import numpy as np
 import pytest
 
 from configs import ling3
-from kda_lm import config, model, stack, testing
+from kda_lm import config, model, stack
 from kda_lm.checkpoint import compat
 from kda_lm.infer import decoding
+from testbed import numerics
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -61,7 +63,7 @@ def test_find_group_without_a_repeat_unrolls_everything():
 def _batch(seed, B=2, T=24):
   rng = np.random.default_rng(seed)
   tokens = rng.integers(0, helpers.VOCAB, (B, T)).astype(np.int32)
-  seg = np.stack([testing.random_segment_row(rng, T) for _ in range(B)])
+  seg = np.stack([kda_support.random_segment_row(rng, T) for _ in range(B)])
   return jnp.asarray(tokens), jnp.asarray(seg)
 
 
@@ -106,11 +108,11 @@ def test_scanned_equals_unscanned_logits_loads_and_gradients():
   g_s, aux_s = grad(model.build(SCANNED), stack.to_scanned(params, SCANNED))
   np.testing.assert_array_equal(aux_s["expert_load"], aux_u["expert_load"])
   assert aux_u["expert_load"].shape == (7, 4)  # layers 2-7, then MTP
-  assert testing.rel_err(aux_s["mtp_logits"], aux_u["mtp_logits"]) < 1e-6
+  assert numerics.rel_err(aux_s["mtp_logits"], aux_u["mtp_logits"]) < 1e-6
   g_s = stack.to_unscanned(g_s, SCANNED)
   for module in g_u:
     for name in g_u[module]:
-      err = testing.rel_err(g_s[module][name], g_u[module][name])
+      err = numerics.rel_err(g_s[module][name], g_u[module][name])
       assert err < 1e-6, (module, name, err)
 
 
@@ -159,7 +161,7 @@ def _ulp_floor(grad_fn, params, seeds=(0, 1)):
     nudged = jax.tree.map(lambda x, r=rng: x * (1 + np.float32(
         2.0 ** -23) * r.choice(np.array([-1, 1], np.float32), x.shape)),
                           params)
-    floor = max(floor, testing.rel_err(_flat(grad_fn(nudged)), base))
+    floor = max(floor, numerics.rel_err(_flat(grad_fn(nudged)), base))
   return floor
 
 
@@ -181,9 +183,9 @@ def test_remat_policies_keep_gradients_and_save_less_and_less():
     if remat == "none":
       floor = _ulp_floor(compiled, params)
       assert 1e-7 < floor < 1e-5, floor
-    err = testing.rel_err(_flat(grads[remat]), _flat(grads["none"]))
+    err = numerics.rel_err(_flat(grads[remat]), _flat(grads["none"]))
     assert err < floor, (remat, err, floor)
-    errs = jax.tree.map(testing.rel_err, grads[remat], grads["none"])
+    errs = jax.tree.map(numerics.rel_err, grads[remat], grads["none"])
     assert max(jax.tree.leaves(errs)) < 1e-5, remat
   sizes = [temp[r] for r in config.REMAT_POLICIES]
   assert sizes == sorted(sizes, reverse=True), temp

@@ -6,16 +6,18 @@ import functools
 import helpers
 import jax
 import jax.numpy as jnp
+import kda_support
 import numpy as np
 import optax
 import pytest
 
 from kda_lm import config as config_lib
-from kda_lm import losses, model, segments, stack, testing
+from kda_lm import losses, model, segments, stack
 from kda_lm.checkpoint import state as state_lib
 from kda_lm.train import loop as train_loop
 from kda_lm.train import metrics
 from kda_lm.train import step as step_lib
+from testbed import numerics
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -30,7 +32,7 @@ MODEL = helpers.tiny_config(
 def _batch(seed, B=8, T=16):
   """Packed rows with padding and unequal scored-token counts per row."""
   rng = np.random.default_rng(seed)
-  seg = np.stack([testing.random_segment_row(rng, T) for _ in range(B)])
+  seg = np.stack([kda_support.random_segment_row(rng, T) for _ in range(B)])
   seg[B // 2:, T // 2:] = 0                  # half-empty rows
   tokens = rng.integers(0, helpers.VOCAB, (B, T + 1)).astype(np.int32)
   mask = (seg != 0).astype(np.float32)
@@ -60,8 +62,8 @@ def _assert_same_step(got, want):
                                err_msg=key)
   flat = lambda s: np.concatenate(
       [np.ravel(x) for x in jax.tree.leaves(s.params)])
-  assert testing.rel_err(flat(s_got), flat(s_want)) < 1e-6
-  errs = jax.tree.map(testing.rel_err, s_got.params, s_want.params)
+  assert numerics.rel_err(flat(s_got), flat(s_want)) < 1e-6
+  errs = jax.tree.map(numerics.rel_err, s_got.params, s_want.params)
   assert max(jax.tree.leaves(errs)) < 1e-5
 
 
@@ -111,7 +113,7 @@ def test_eval_step_in_pieces_equals_whole_logits():
 def _config(data_dir, **extra):
   values = dict(model__attention_pattern="KMKMKM", eval__every_steps=0,
                 checkpoint__every_steps=2, train__num_steps=4)
-  return testing.tiny_train_config(data_dir, **dict(values, **extra))
+  return helpers.tiny_train_config(data_dir, **dict(values, **extra))
 
 
 def _losses(workdir):
@@ -131,7 +133,7 @@ def test_scanned_training_matches_unscanned(tmp_path, data_dir):
   np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-6)
   params = stack.to_unscanned(runs[True][0].params,
                               _config(data_dir).model)
-  errs = jax.tree.map(testing.rel_err, params, runs[False][0].params)
+  errs = jax.tree.map(numerics.rel_err, params, runs[False][0].params)
   assert max(jax.tree.leaves(errs)) < 1e-5
 
 

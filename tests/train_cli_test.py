@@ -5,9 +5,9 @@ import subprocess
 import sys
 
 from absl import flags
+import process_support
 import pytest
 
-from kda_lm import testing
 from kda_lm.train import cli
 
 
@@ -40,10 +40,10 @@ def test_a_typo_exits_2_with_one_line_and_no_workdir(tmp_path, config):
   train.py defines the flag, before absl's parsing)."""
   workdir = tmp_path / "run"
   result = subprocess.run(
-      [sys.executable, os.path.join(testing.REPO, "train.py")] + config + [
-          "--config.train.num_step=5", f"--workdir={workdir}"],
-      cwd=testing.REPO,
-      env=testing.subprocess_env(), capture_output=True, text=True,
+      [sys.executable, os.path.join(process_support.REPO, "train.py")]
+      + config + ["--config.train.num_step=5", f"--workdir={workdir}"],
+      cwd=process_support.REPO,
+      env=process_support.subprocess_env(), capture_output=True, text=True,
       timeout=120, check=False)
   assert result.returncode == cli.USAGE_EXIT, result.stderr[-2000:]
   lines = [line for line in result.stderr.splitlines()

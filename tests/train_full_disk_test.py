@@ -12,9 +12,9 @@ import os
 import subprocess
 
 import helpers
+import process_support
 import pytest
 
-from kda_lm import testing
 from kda_lm.checkpoint import manager as manager_lib
 
 STEPS = ("--config.train.num_steps=20", "--config.checkpoint.every_steps=5",
@@ -53,7 +53,7 @@ def small_disk(tmp_path):
 def _train(config_file, workdir, cache_dir):
   return subprocess.run(
       helpers.train_command(config_file, workdir, *STEPS),
-      cwd=testing.REPO, env=testing.subprocess_env(cache_dir),
+      cwd=process_support.REPO, env=process_support.subprocess_env(cache_dir),
       capture_output=True, text=True, timeout=300, check=False)
 
 

@@ -13,10 +13,11 @@ from unittest import mock
 import helpers
 import jax
 import numpy as np
+import process_support
 import pytest
 
 from data import pipeline
-from kda_lm import logs, testing
+from kda_lm import logs
 from kda_lm.checkpoint import compat, data_item, manifest
 from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import workdir as workdir_lib
@@ -30,11 +31,11 @@ from kda_lm.train import metrics
 # Tiny shapes: compilation dominates (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
-# The tiny model (testing.TINY_TRAIN_OVERRIDES): its overrides and config.
-overrides = testing.tiny_train_overrides
-tiny_config = testing.tiny_train_config
-_table_batch = testing.table_batch
-_one_device_sharding = testing.one_device_batch_sharding
+# The tiny model (helpers.TINY_TRAIN_OVERRIDES): its overrides and config.
+overrides = helpers.tiny_train_overrides
+tiny_config = helpers.tiny_train_config
+_table_batch = helpers.table_batch
+_one_device_sharding = helpers.one_device_batch_sharding
 _config_file, _command = helpers.write_config_file, helpers.train_command
 
 
@@ -126,8 +127,8 @@ def test_sigkill_then_rerun_resumes(tmp_path, data_dir, cache_dir):
       eval__every_steps=0, checkpoint__every_steps=5,
       checkpoint__max_to_keep=2)
   proc = subprocess.Popen(
-      _command(config_file, workdir), cwd=testing.REPO,
-      env=testing.subprocess_env(cache_dir), stdout=subprocess.DEVNULL,
+      _command(config_file, workdir), cwd=process_support.REPO,
+      env=process_support.subprocess_env(cache_dir), stdout=subprocess.DEVNULL,
       stderr=subprocess.DEVNULL)
   checkpoints = os.path.join(workdir, "checkpoints")
   deadline = time.time() + 240
@@ -248,8 +249,8 @@ def _run_four_devices(config_file, runs, cache_dir):
           for mesh, steps, workdir in runs]
   result = subprocess.run(
       [sys.executable, "-c", _FOUR_DEVICES, config_file, json.dumps(runs)],
-      cwd=testing.REPO, capture_output=True, text=True, timeout=900,
-      check=False, env=testing.subprocess_env(
+      cwd=process_support.REPO, capture_output=True, text=True, timeout=900,
+      check=False, env=process_support.subprocess_env(
           cache_dir, "--xla_force_host_platform_device_count=4"))
   assert result.returncode == 0, result.stderr[-4000:]
   meshes = [f"{{'data': {m['data']}, 'fsdp': {m['fsdp']}, 'expert': "
@@ -417,8 +418,8 @@ def test_second_trainer_on_a_locked_workdir_is_refused(tmp_path, data_dir,
   config_file = _config_file(tmp_path, data_dir, train__num_steps=6,
                                   eval__every_steps=0)
   first = subprocess.Popen(
-      _command(config_file, workdir), cwd=testing.REPO,
-      env=testing.subprocess_env(cache_dir), stdout=subprocess.DEVNULL,
+      _command(config_file, workdir), cwd=process_support.REPO,
+      env=process_support.subprocess_env(cache_dir), stdout=subprocess.DEVNULL,
       stderr=subprocess.PIPE, text=True)
   lock = os.path.join(workdir, workdir_lib.LOCK_FILE)
   try:
@@ -428,9 +429,9 @@ def test_second_trainer_on_a_locked_workdir_is_refused(tmp_path, data_dir,
       time.sleep(0.05)
     first.send_signal(signal.SIGSTOP)   # alive, holding the lock
     second = subprocess.run(
-        _command(config_file, workdir), cwd=testing.REPO,
-        env=testing.subprocess_env(cache_dir), capture_output=True, text=True,
-        timeout=300, check=False)
+        _command(config_file, workdir), cwd=process_support.REPO,
+        env=process_support.subprocess_env(cache_dir), capture_output=True,
+        text=True, timeout=300, check=False)
     assert second.returncode != 0
     assert f"in use by PID {first.pid}" in second.stderr
   finally:

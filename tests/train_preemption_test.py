@@ -11,9 +11,9 @@ import time
 from absl import logging
 import helpers
 import numpy as np
+import process_support
 import pytest
 
-from kda_lm import testing
 from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import workdir as workdir_lib
 from kda_lm.train import loop as train_loop
@@ -119,7 +119,7 @@ def test_sigterm_saves_the_step_and_resumes_bit_for_bit(
   proc = subprocess.Popen(
       helpers.train_command(
           helpers.write_config_file(tmp_path, data_dir, **common), workdir),
-      cwd=testing.REPO, env=testing.subprocess_env(cache_dir),
+      cwd=process_support.REPO, env=process_support.subprocess_env(cache_dir),
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   try:
     _wait_for_rows(workdir, proc, 3)
@@ -137,10 +137,10 @@ def test_sigterm_saves_the_step_and_resumes_bit_for_bit(
   assert 3 <= k < n
   assert f"Preempted: stopped at step {k} and saved its checkpoint" in stderr
   assert [r["step"] for r in helpers.train_rows(workdir)][-1] == k
-  train_loop.train_and_evaluate(testing.tiny_train_config(data_dir, **common),
+  train_loop.train_and_evaluate(helpers.tiny_train_config(data_dir, **common),
                                 workdir)
   straight = str(tmp_path / "straight")
-  train_loop.train_and_evaluate(testing.tiny_train_config(data_dir, **common),
+  train_loop.train_and_evaluate(helpers.tiny_train_config(data_dir, **common),
                                 straight)
   want = {r["step"]: r["loss"] for r in helpers.train_rows(straight)}
   got = {r["step"]: r["loss"] for r in helpers.train_rows(workdir)}

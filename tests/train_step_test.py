@@ -1,21 +1,22 @@
 """Tests of the update step, the loss terms and the eval sums (train.step)."""
 
+import helpers
 import jax
 import numpy as np
 import optax
 import pytest
 
 from data import pipeline
-from kda_lm import losses, testing
+from kda_lm import losses
 from kda_lm.checkpoint import state as state_lib
 from kda_lm.train import step as step_lib
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
-tiny_config = testing.tiny_train_config
-_table_batch = testing.table_batch
-_one_device_sharding = testing.one_device_batch_sharding
+tiny_config = helpers.tiny_train_config
+_table_batch = helpers.table_batch
+_one_device_sharding = helpers.one_device_batch_sharding
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,60 @@
+"""The tests' processes: where the repository is, the in-process switch of
+XLA's optimizations (the `fast_compile` fixture's) and the environment of a
+test's Python subprocess.
+
+Light on purpose (JAX and the library's multi-host module, no TensorFlow):
+conftest.py imports it in every test process.
+"""
+
+import contextlib
+import os
+
+import jax
+
+from kda_lm.parallel import distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def most_optimizations_disabled(disabled: bool = True):
+  """Sets `jax_disable_most_optimizations` inside, restoring it after.
+
+  The flag is read when compiling and is not part of jit's cache key: a
+  function compiled before keeps its executable.
+  """
+  previous = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", disabled)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", previous)
+
+
+def subprocess_env(cache_dir: str | None = None, xla_flags: str = ""
+                   ) -> dict[str, str]:
+  """The environment of a test's Python subprocess (train.py, checks).
+
+  The repository on PYTHONPATH, CPU only, most XLA optimizations skipped
+  (tiny shapes, where compilation dominates; as the tests' `fast_compile`
+  fixture), no CPU-collectives choice inherited (multi-process runs pick
+  gloo themselves).
+
+  Args:
+    cache_dir: a persistent compilation cache shared by the subprocesses
+      (every compile cached), or None.
+    xla_flags: appended to XLA_FLAGS (e.g. fake device counts).
+
+  Returns:
+    A copy of `os.environ` with those settings.
+  """
+  env = dict(os.environ)
+  env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+  env["JAX_PLATFORMS"] = "cpu"
+  if cache_dir is not None:
+    env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
+  env.pop(distributed.CPU_COLLECTIVES_ENV, None)
+  return env
