@@ -6,7 +6,9 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Rank of each room: a module may import its own room and lower ranks.
 # `data` stands alone: it imports nothing from kda_lm (the library reads
-# its settings, never the other way round).
+# its settings, never the other way round). `testbed` (what the tests and
+# the experiments measure with) sits above the library, which never
+# imports it.
 RANKS = {
     "data": -1,
     "kda_lm.segments": 0, "kda_lm.logs": 0,
@@ -18,7 +20,10 @@ RANKS = {
     "kda_lm.flops": 5.5,
     "kda_lm.checkpoint": 7,
     "kda_lm.train": 8, "kda_lm.infer": 8, "kda_lm.hf": 8,
+    "testbed": 9,
 }
+# The top-level folders whose modules have a room.
+ROOM_TOPS = ("kda_lm", "data", "testbed")
 # The layers' entries into the parallel room.
 LAYERS_MAY_IMPORT = ("kda_lm.parallel.context", "kda_lm.parallel.maps")
 
@@ -56,11 +61,20 @@ def imports(path: str) -> list[str]:
         os.path.join(ROOT, *dotted.split(".")) + ".py") or os.path.isdir(
             os.path.join(ROOT, *dotted.split(".")))
     found.append(dotted if is_module else module)
-  return [m for m in found if m.split(".")[0] in ("kda_lm", "data")]
+  tops = set(ROOM_TOPS) | above_rooms()
+  return [m for m in found if m.split(".")[0] in tops]
+
+
+def above_rooms() -> set[str]:
+  """Top-level names no room imports: train.py, configs/, experiments/ and
+  the tests' own modules (tests/ is on the path when they run)."""
+  tests = os.path.join(ROOT, "tests")
+  return {"train", "configs", "experiments", "tests"} | {
+      name[:-3] for name in os.listdir(tests) if name.endswith(".py")}
 
 
 def package_modules():
-  for top in ("kda_lm", "data"):
+  for top in ROOM_TOPS:
     for folder, _, names in os.walk(os.path.join(ROOT, top)):
       for name in names:
         if name.endswith(".py"):
@@ -70,12 +84,15 @@ def package_modules():
 
 
 def violations():
-  bad = []
+  bad, above = [], above_rooms()
   for module, path in package_modules():
     mine = room(module)
     if mine is None:
       continue
     for target in imports(path):
+      if target.split(".")[0] in above:
+        bad.append(f"{module} imports {target} (above every room)")
+        continue
       theirs = room(target)
       if theirs is None or theirs == mine:
         continue
@@ -90,7 +107,7 @@ def violations():
 
 def test_every_module_belongs_to_a_room():
   homeless = [m for m, _ in package_modules()
-              if room(m) is None and m not in ("kda_lm", "data")]
+              if room(m) is None and m not in ROOM_TOPS]
   assert not homeless, homeless
 
 
@@ -99,22 +116,37 @@ def test_imports_run_only_downwards():
 
 
 def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
-  """A test that cannot fail is a defect: upward imports are reported."""
+  """A test that cannot fail is a defect: upward imports, and imports of
+  what sits above every room, are reported."""
   fake = tmp_path / "m.py"
   fake.write_text("from kda_lm.train import loop\nfrom kda_lm import ops\n"
-                  "from kda_lm.parallel import sharding\n")
-  assert imports(str(fake)) == ["kda_lm.train.loop", "kda_lm.ops",
-                                "kda_lm.parallel.sharding"]
+                  "from kda_lm.parallel import sharding\n"
+                  "from configs import ling3_tiny\nimport helpers\n"
+                  "from testbed import numerics\nimport numpy\n")
+  assert imports(str(fake)) == [
+      "kda_lm.train.loop", "kda_lm.ops", "kda_lm.parallel.sharding",
+      "configs.ling3_tiny", "helpers", "testbed.numerics"]
   monkeypatch.setitem(globals(), "package_modules", lambda: iter(
-      [("kda_lm.infer.fake", str(fake)), ("kda_lm.layers.fake", str(fake))]))
+      [("kda_lm.infer.fake", str(fake)), ("kda_lm.layers.fake", str(fake)),
+       ("testbed.fake", str(fake))]))
   assert violations() == [
       "kda_lm.infer.fake imports kda_lm.train.loop "
       "(kda_lm.infer -> kda_lm.train)",
+      "kda_lm.infer.fake imports configs.ling3_tiny (above every room)",
+      "kda_lm.infer.fake imports helpers (above every room)",
+      "kda_lm.infer.fake imports testbed.numerics "
+      "(kda_lm.infer -> testbed)",
       "kda_lm.layers.fake imports kda_lm.train.loop "
       "(kda_lm.layers -> kda_lm.train)",
       "kda_lm.layers.fake imports kda_lm.parallel.sharding: layers reach "
       "the parallel room only through ('kda_lm.parallel.context', "
-      "'kda_lm.parallel.maps')"]
+      "'kda_lm.parallel.maps')",
+      "kda_lm.layers.fake imports configs.ling3_tiny (above every room)",
+      "kda_lm.layers.fake imports helpers (above every room)",
+      "kda_lm.layers.fake imports testbed.numerics "
+      "(kda_lm.layers -> testbed)",
+      "testbed.fake imports configs.ling3_tiny (above every room)",
+      "testbed.fake imports helpers (above every room)"]
 
 
 def test_modules_and_functions_read_at_once():
