@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import timing
 from kda_lm.ops import gmm
+from testbed import timing
 
 _SHAPE = flags.DEFINE_list("shape", ["32768", "1536", "512"], "M,K,N.")
 _EXPERTS = flags.DEFINE_integer("experts", 16, "Groups.")

@@ -61,10 +61,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import timing
 from kda_lm.ops import chunk_kda
 from kda_lm.ops.kda import api, common
-from testbed import kda_cases
+from testbed import kda_cases, timing
 
 _IMPL = flags.DEFINE_string("impl", "xla", "Implementation to compare with "
                             "the reference (xla; later pallas).")

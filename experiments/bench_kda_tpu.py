@@ -31,10 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import timing
 from kda_lm.ops import chunk_kda
 from kda_lm.ops.kda import common, pallas
-from testbed import kda_cases
+from testbed import kda_cases, timing
 
 _TOKENS = flags.DEFINE_integer("tokens", 16384, "Tokens per batch (B*T).")
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["2048", "8192", "32768",

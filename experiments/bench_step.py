@@ -45,13 +45,14 @@ import numpy as np
 import optax
 
 from configs import ling3
-from experiments import compile_mesh, profile_summary, timing
+from experiments import compile_mesh
 from kda_lm import config as config_lib
 from kda_lm import flops, losses, optimizer
 from kda_lm import model as model_lib
 from kda_lm.checkpoint import state as state_lib
 from kda_lm.layers import block, norm
 from kda_lm.train import step as step_lib
+from testbed import profile_summary, timing
 
 _MODEL = flags.DEFINE_string("model", "tiny", "Widths: tiny, kimi.")
 _LAYERS = flags.DEFINE_integer("layers", 4, "Layers of the pattern.")

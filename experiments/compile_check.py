@@ -62,10 +62,11 @@ import jax.extend  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments import compile_mesh, compile_report  # noqa: E402
+from experiments import compile_mesh  # noqa: E402
 import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
 from kda_lm.ops import chunk_kda  # noqa: E402
 from kda_lm.ops.kda import pallas  # noqa: E402
+from testbed import compile_report  # noqa: E402
 
 _TARGETS = flags.DEFINE_list("targets", ["h100", "v5e", "v6e"],
                              "Targets: h100 (sm_90a), v5e, v6e.")

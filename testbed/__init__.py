@@ -6,6 +6,12 @@
   cotangents, document ids, and the op's float64 oracle `kda_float64`.
 * `corpora`: generated documents for the corpus-source tests and the
   row-continuity measurement of packed streams.
+* `compile_report`: what XLA and ptxas report about compiled GPU kernels,
+  the compile check's limits, and the bytes of a compiled step's
+  collectives (HLO text parsing).
+* `profile_summary`: a compiled program's device time per model part, from
+  a `jax.profiler` trace.
+* `timing`: the benchmarks' median call time and reference matmul rate.
 
 Imported by `tests/` and `experiments/`; nothing in `kda_lm/` or `data/`
 imports it. May import: the library (`kda_lm`, `data`), never `configs/`,

@@ -1,11 +1,11 @@
-"""Tests of experiments/compile_report.py: the parsing and limits of the
+"""Tests of testbed/compile_report.py: the parsing and limits of the
 deviceless compile check (the check itself runs in its own environment:
 `.ci/run`, experiments/compile_check.py). The log lines are the formats
 XLA's ptxas step (TF_CPP_VMODULE=subprocess_compilation=2) and its thunk
 sequence dump print."""
 
-from experiments import compile_report
 from kda_lm.ops import gmm
+from testbed import compile_report
 
 PTXAS_LOG = """\
 I1202 subprocess_compilation.cc:349] ptxas warning : Registers are spilled

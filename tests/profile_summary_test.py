@@ -1,9 +1,9 @@
-"""Tests for experiments/profile_summary.py: parts of a profiled program."""
+"""Tests for testbed/profile_summary.py: parts of a profiled program."""
 
 import jax
 import jax.numpy as jnp
 
-from experiments import profile_summary
+from testbed import profile_summary
 
 
 def test_part_of_reads_scopes_inside_transformations():
