@@ -13,7 +13,7 @@ step it reports
   of one device's program, a count from the HLO text, not a measurement;
 * extra FLOPs: (n x per-device FLOPs - single-device FLOPs) / single-device
   FLOPs, matmul FLOPs counted from the compiled HLO with every loop's trip
-  count (`experiments/hlo_flops.py`; XLA's `cost_analysis()` counts a
+  count (`testbed/hlo_flops.py`; XLA's `cost_analysis()` counts a
   loop's body once): the work the exchange adds (the widened KDA
   pass, the state combine, MLA's extra diagonal half piece per shard and
   whole-row key expansion, and whatever GSPMD partitions differently).
@@ -70,9 +70,9 @@ def _measure(seq_len: int, n: int) -> dict[str, float]:
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   from configs import ling3_tiny  # pylint: disable=g-import-not-at-top
-  from experiments import hlo_flops  # pylint: disable=g-import-not-at-top
   from kda_lm import model  # pylint: disable=g-import-not-at-top
   from kda_lm.parallel import sharding
+  from testbed import hlo_flops  # pylint: disable=g-import-not-at-top
 
   cfg = ling3_tiny.get_config().model
   cfg.vocab_size = 256

@@ -55,14 +55,13 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import kimi_linear, ling3  # noqa: E402
-from experiments import hlo_flops  # noqa: E402
 import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
 from kda_lm import flops, optimizer  # noqa: E402
 from kda_lm import model as model_lib  # noqa: E402
 from kda_lm.checkpoint import state as state_lib
 from kda_lm.parallel import sharding
 from kda_lm.train import step as step_lib
-from testbed import compile_report
+from testbed import compile_report, hlo_flops
 
 DEFAULT_ROWS = ["v5p:fsdp=4:4", "v5p:data=4:4", "v5p:data=2+fsdp=2:4",
                 "v5p:context=2+fsdp=2:4", "h100x4:fsdp=4:4",

@@ -5,7 +5,7 @@ gradient, AdamW, the MoE selection-bias update) of a published model for a
 target slice, mesh, sequence length, batch, rematerialisation policy and
 gradient accumulation, and prints per device: arguments (parameters,
 optimizer state, batch), temporaries and their total against the chip's
-HBM; the compiled matmul FLOPs (`experiments/hlo_flops.py`: read from the
+HBM; the compiled matmul FLOPs (`testbed/hlo_flops.py`: read from the
 optimized program, every loop times its trip count, so scanned layers and
 the loss's pieces count in full on TPU and GPU alike), the share of them
 that recomputes a forward pass (rematerialisation, the loss's pieces), the
@@ -52,9 +52,10 @@ import traceback  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 import jax  # noqa: E402
 
-from experiments import compile_mesh, hlo_flops  # noqa: E402
+from experiments import compile_mesh  # noqa: E402
 import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
 from kda_lm import config as config_lib  # noqa: E402
+from testbed import hlo_flops  # noqa: E402
 
 GIB = 2.0 ** 30
 

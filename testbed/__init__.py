@@ -6,6 +6,9 @@
   cotangents, document ids, and the op's float64 oracle `kda_float64`.
 * `corpora`: generated documents for the corpus-source tests and the
   row-continuity measurement of packed streams.
+* `hlo_flops`: the matmul FLOPs of a compiled program's optimized HLO
+  text, every loop's body times its trip count, and what of them is
+  recompute.
 * `compile_report`: what XLA and ptxas report about compiled GPU kernels,
   the compile check's limits, and the bytes of a compiled step's
   collectives (HLO text parsing).

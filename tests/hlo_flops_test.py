@@ -1,4 +1,4 @@
-"""Tests of experiments/hlo_flops.py: matmul FLOPs from optimized HLO."""
+"""Tests of testbed/hlo_flops.py: matmul FLOPs from optimized HLO."""
 
 import os
 
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import process_support
 import pytest
 
-from experiments import hlo_flops
 from kda_lm.ops import gmm
+from testbed import hlo_flops
 
 L, B, W = 5, 8, 64  # Layers scanned, rows, width.
 

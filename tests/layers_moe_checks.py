@@ -29,10 +29,9 @@ import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments import hlo_flops  # noqa: E402
 from kda_lm.layers import moe  # noqa: E402
 from kda_lm.parallel import sharding  # noqa: E402
-from testbed import numerics  # noqa: E402
+from testbed import hlo_flops, numerics  # noqa: E402
 
 B, T, D, E, F = 8, 6, 8, 8, 4
 # (data, fsdp, expert, context).

@@ -133,7 +133,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 # The name scope of a megablox call whose groups cover (on average) R of
 # its M rows: the kernels' cost estimates count all M rows, while their
 # grids visit only the tiles that hold rows, so a reader of the compiled
-# program's cost (experiments/hlo_flops.py) scales them by R / M.
+# program's cost (testbed/hlo_flops.py) scales them by R / M.
 ROWS_SCOPE = "gmm_rows_{}_of_{}"
 _ROWS = re.compile(r"\b" + ROWS_SCOPE.format(r"(\d+)", r"(\d+)") + r"\b")
 
@@ -223,7 +223,7 @@ def _work_items(group_sizes, num_tiles, tm):
 
 
 # The name scope that tells a reader of the compiled program (e.g.
-# experiments/hlo_flops.py) a data-dependent loop's largest trip count.
+# testbed/hlo_flops.py) a data-dependent loop's largest trip count.
 MAX_TRIPS_SCOPE = "loop_max_trips_{}"
 
 
