@@ -8,7 +8,7 @@
   row-continuity measurement of packed streams.
 * `hlo_flops`: the matmul FLOPs of a compiled program's optimized HLO
   text, every loop's body times its trip count, and what of them is
-  recompute.
+  recompute (`python -m experiments.hlo_flops` prints them for saved HLO).
 * `compile_report`: what XLA and ptxas report about compiled GPU kernels,
   the compile check's limits, and the bytes of a compiled step's
   collectives (HLO text parsing).

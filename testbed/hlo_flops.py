@@ -41,14 +41,12 @@ counts as work, not recompute, unless it is a loop.
 
 `python -m experiments.hlo_flops [--scope=NAME ...] FILE...` prints the
 count of saved HLO text (`python -m experiments.fit --hlo_dir=...`), in
-all and within each named scope.
+all and within each named scope (the script: experiments/hlo_flops.py).
 """
 
-import gzip
 import json
 import math
 import re
-import sys
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -374,27 +372,3 @@ def count(hlo_text: str, scope: Optional[str] = None) -> Flops:
 
   return flops(module.entry)
 
-
-def main(args):
-  """Prints the count of each HLO text file (`.gz` read gzipped), e.g. the
-  steps `python -m experiments.fit --hlo_dir=...` saved; each
-  `--scope=NAME` adds the count of the matmuls whose JAX name contains
-  NAME (`--scope=/moe/`, or MLA's key expansion `--scope=bsc,chx->bshx`)."""
-  scopes = [a[len("--scope="):] for a in args if a.startswith("--scope=")]
-  paths = [a for a in args if not a.startswith("--scope=")]
-  if not paths or any(a.startswith("-") for a in paths):
-    raise SystemExit("usage: python -m experiments.hlo_flops "
-                     "[--scope=NAME ...] FILE...")
-  for path in paths:
-    with (gzip.open(path, "rt") if path.endswith(".gz") else
-          open(path)) as f:
-      text = f.read()
-    for scope in [None] + scopes:
-      flops = count(text, scope=scope)
-      print(f"{path}{'' if scope is None else ' [' + scope + ']'}: "
-            f"{flops.total / 1e12:.3f} TFLOP, of which recompute "
-            f"{flops.recompute / 1e12:.3f}")
-
-
-if __name__ == "__main__":
-  main(sys.argv[1:])

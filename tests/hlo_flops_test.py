@@ -1,4 +1,5 @@
-"""Tests of testbed/hlo_flops.py: matmul FLOPs from optimized HLO."""
+"""Tests of testbed/hlo_flops.py: matmul FLOPs from optimized HLO (and
+of the script that prints them, experiments/hlo_flops.py)."""
 
 import os
 
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 import process_support
 import pytest
 
+from experiments import hlo_flops as hlo_flops_script
 from kda_lm.ops import gmm
 from testbed import hlo_flops
 
@@ -62,13 +64,13 @@ def test_a_scope_counts_its_own_matmuls(tmp_path, capsys):
   assert hlo_flops.count(text, scope="third").total == 0
   path = tmp_path / "step.hlo"
   path.write_text(text)
-  hlo_flops.main(["--scope=second", str(path)])
+  hlo_flops_script.main(["--scope=second", str(path)])
   # In all, then within the scope.
   lines = capsys.readouterr().out.splitlines()
   assert [line.split(": ")[0] for line in lines] == [
       str(path), f"{path} [second]"]
   with pytest.raises(SystemExit, match="usage"):
-    hlo_flops.main(["--scope=second"])
+    hlo_flops_script.main(["--scope=second"])
 
 
 def test_a_loop_without_a_trip_count_is_refused():
