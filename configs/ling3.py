@@ -37,7 +37,6 @@ input embedding: 1.38B). Ling 2.0's cards count both tables (Ling-mini-2.0:
 789M non-embedding + 2 x 322M = 1.43B "1.4B"), which is flash's 5.51B.
 """
 
-import json
 import os
 from typing import Any
 
@@ -48,6 +47,7 @@ from configs import ling3_tiny
 from kda_lm import config as config_lib
 from kda_lm import flops
 from kda_lm import model as model_lib
+from kda_lm.checkpoint import state as state_lib
 
 SIZES = ("tiny", "flash")
 
@@ -102,8 +102,8 @@ def imported_config(arg: str) -> ml_collections.ConfigDict:
   if not os.path.isfile(path):
     raise ValueError(f"{path} does not exist: import a checkpoint first "
                      f"(python -m kda_lm.hf import --workdir={workdir}).")
-  with open(path, encoding="utf-8") as f:
-    return ml_collections.ConfigDict(json.load(f))
+  # Keys added to kda-lm since the import take their defaults.
+  return state_lib.load_config(workdir)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

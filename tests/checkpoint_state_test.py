@@ -1,11 +1,20 @@
-"""Tests of the run config check `kda_lm.checkpoint.state.check_config`."""
+"""Tests of the run config check (`kda_lm.config.check_config`) and of the
+train state's initialisation (`kda_lm.checkpoint.state`)."""
 
+import chex
 import helpers
+import jax
+import numpy as np
 import pytest
 
 from configs import ling3_tiny
 from data import pipeline
 from kda_lm import config as config_lib
+from kda_lm import model as model_lib
+from kda_lm import optimizer
+from kda_lm.checkpoint import state
+from kda_lm.parallel import sharding
+from kda_lm.train import loop as train_loop
 
 tiny_config = helpers.tiny_train_config
 
@@ -82,3 +91,29 @@ def test_bad_expert_axis_refused_before_tracing(data_dir):
   with pytest.raises(ValueError, match=r"config\.mesh\.expert = 2 shards "
                      r"routed experts, but the model has none"):
     config_lib.check_config(config)
+
+
+def test_init_rng_draws_the_parameters_and_nothing_else(data_dir):
+  run = config_lib.check_config(
+      tiny_config(data_dir, train__init_rng="unsafe_rbg"))
+  mesh = sharding.make_mesh(run.mesh)
+  steps = train_loop.build_steps(run, mesh)
+  rbg = steps.init(steps.rng)
+  m = model_lib.build(run.model)
+  tx, _ = optimizer.make_optimizer(run.opt, run.train.num_steps)
+  threefry = jax.jit(state.make_init_fn(m, tx, run.data.seq_len))(steps.rng)
+  again = jax.jit(state.make_init_fn(m, tx, run.data.seq_len,
+                                     "unsafe_rbg"))(steps.rng)
+  # The run's init uses the config's generator, the same values each time.
+  chex.assert_trees_all_equal(jax.device_get(rbg.params),
+                              jax.device_get(again.params))
+  chex.assert_trees_all_equal_shapes_and_dtypes(rbg, threefry)
+  # Random initialisers draw other values; constant ones (norm scales,
+  # zero biases) and the state's own rng do not change.
+  same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)),
+                      rbg.params, threefry.params)
+  assert not same["embed"]["embeddings"]
+  assert any(jax.tree.leaves(same)) and not all(jax.tree.leaves(same))
+  np.testing.assert_array_equal(rbg.rng, threefry.rng)
+  with pytest.raises(ValueError, match="init_rng must be one of"):
+    config_lib.TrainConfig(init_rng="philox")

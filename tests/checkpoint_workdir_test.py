@@ -1,4 +1,5 @@
-"""Tests of kda_lm.checkpoint.workdir: the lock and the resume checks."""
+"""Tests of kda_lm.checkpoint.workdir: the lock, the resume checks and a
+recorded config read back."""
 
 import json
 import logging
@@ -7,9 +8,12 @@ import subprocess
 import sys
 import textwrap
 
+import helpers
+import ml_collections
 import pytest
 
-from kda_lm.checkpoint import workdir
+from kda_lm import config as config_lib
+from kda_lm.checkpoint import state, workdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -205,3 +209,24 @@ def test_another_datasets_key_is_no_change_of_meaning():
   meaning, _ = workdir.config_changes(
       copy, {"data": {"name": "delayed_copy", "vocab_size": 64}})
   assert [c.key for c in meaning] == ["data.vocab_size"]
+
+
+def test_a_recorded_config_gets_the_keys_added_since(data_dir, tmp_path):
+  """A config.json written before keys were added (an imported run being
+  fine-tuned, a run being evaluated) reads back with them at their
+  defaults, and passes the check it would fail as recorded."""
+  config = json.loads(helpers.tiny_train_config(data_dir).to_json_best_effort())
+  del config["train"]["init_rng"], config["opt"]["moment_dtype"]
+  config["train"]["log_every"] = 7
+  with pytest.raises(ValueError, match="Missing config keys"):
+    config_lib.check_config(ml_collections.ConfigDict(config))
+  filled = workdir.with_defaults(config)
+  assert filled["train"]["init_rng"] == "threefry"
+  assert filled["opt"]["moment_dtype"] == "float32"
+  assert filled["train"]["log_every"] == 7       # recorded values kept
+  assert "init_rng" not in config["train"]       # a copy
+  config_lib.check_config(ml_collections.ConfigDict(filled))
+  workdir.write_config(str(tmp_path), config, step=0)
+  loaded = state.load_config(str(tmp_path))
+  assert loaded.train.init_rng == "threefry" and loaded.train.log_every == 7
+  config_lib.check_config(loaded)

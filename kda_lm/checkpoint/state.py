@@ -33,14 +33,23 @@ class TrainState(NamedTuple):
 
 
 def make_init_fn(model: hk.Transformed, tx: optax.GradientTransformation,
-                 seq_len: int) -> Callable[..., TrainState]:
+                 seq_len: int, init_rng: str = "threefry"
+                 ) -> Callable[..., TrainState]:
   """Returns `init(rng, params=None) -> TrainState` at step 0: fresh
   parameters (traced on a `[1, seq_len]` row of token 0, one document) or
   the given ones (an imported checkpoint's), a fresh optimizer state, and
-  the state's rng, split from `rng` the same way in both cases."""
+  the state's rng, split from `rng` the same way in both cases.
+
+  `init_rng` (`config.train.init_rng`) is the parameters' generator:
+  "threefry" draws from `rng`'s split, "unsafe_rbg" from a key of that
+  implementation made of the split's two halves.
+  """
 
   def init(rng, params=None):
     params_rng, state_rng = jax.random.split(rng)
+    if init_rng != "threefry":
+      params_rng = jax.random.wrap_key_data(
+          jax.random.split(params_rng).reshape(-1), impl=init_rng)
     if params is None:
       tokens = jnp.zeros((1, seq_len), jnp.int32)
       params = model.init(params_rng, tokens, jnp.ones_like(tokens))
@@ -64,11 +73,12 @@ class StateLayout(NamedTuple):
 
 
 def state_layout(model: hk.Transformed, tx: optax.GradientTransformation,
-                 seq_len: int, mesh: jax.sharding.Mesh) -> StateLayout:
+                 seq_len: int, mesh: jax.sharding.Mesh,
+                 init_rng: str = "threefry") -> StateLayout:
   """The one builder of a TrainState, its shapes and its shardings: used
   by training, loading a run, the Hugging Face import and the compile
   checks alike."""
-  init = make_init_fn(model, tx, seq_len)
+  init = make_init_fn(model, tx, seq_len, init_rng)
   abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
   shardings = state_shardings(abstract, mesh)
   return StateLayout(init, sharding.with_shardings(abstract, shardings),
@@ -81,7 +91,7 @@ def run_state_layout(cfg: config_lib.RunConfig, mesh: jax.sharding.Mesh
   `jax.random.PRNGKey(cfg.train.seed)`)."""
   tx, _ = optimizer.make_optimizer(cfg.opt, cfg.train.num_steps)
   return state_layout(model_lib.build(cfg.model), tx, cfg.data.seq_len,
-                      mesh)
+                      mesh, cfg.train.init_rng)
 
 
 def abstract_state(cfg: config_lib.RunConfig, mesh: jax.sharding.Mesh
@@ -113,7 +123,8 @@ class Run(NamedTuple):
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
-  """Reads `<workdir>/config.json`.
+  """Reads `<workdir>/config.json`, with the keys added to kda-lm since it
+  was written at their defaults (`workdir.with_defaults`).
 
   Raises:
     FileNotFoundError: no such file (not a training run directory).
@@ -124,7 +135,7 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
         f"{os.path.join(workdir, workdir_lib.CONFIG_FILE)} does not exist: "
         f"--workdir must be the directory of a training run (python "
         f"train.py --workdir=...).")
-  return ml_collections.ConfigDict(config)
+  return ml_collections.ConfigDict(workdir_lib.with_defaults(config))
 
 
 # A Hugging Face checkpoint's tokenizer files, copied into the workdir of

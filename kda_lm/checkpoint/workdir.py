@@ -190,6 +190,23 @@ def default_keys() -> dict[str, Any]:
   return out
 
 
+def with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
+  """A recorded config (nested dicts) with the typed sections' keys it
+  lacks, added to kda-lm after it was written, at their defaults: what
+  the run was trained with. A copy; present keys are kept as recorded."""
+  out = json.loads(json.dumps(config, default=str))
+  for key, value in default_keys().items():
+    *path, leaf = key.split(".")
+    node = out
+    for part in path:
+      node = node.setdefault(part, {})
+      if not isinstance(node, dict):
+        break
+    else:
+      node.setdefault(leaf, value)
+  return out
+
+
 def _is_meaning_key(key: str) -> bool:
   if key in SAFE_KEYS:
     return False

@@ -109,7 +109,8 @@ def build_steps(cfg: config_lib.RunConfig, mesh: jax.sharding.Mesh) -> Steps:
   """The model, optimizer, state shardings and the jitted steps."""
   model = model_lib.build(cfg.model, remat=cfg.train.remat)
   tx, schedule = optimizer.make_optimizer(cfg.opt, cfg.train.num_steps)
-  layout = state_lib.state_layout(model, tx, cfg.data.seq_len, mesh)
+  layout = state_lib.state_layout(model, tx, cfg.data.seq_len, mesh,
+                                  cfg.train.init_rng)
   rng = jax.random.PRNGKey(cfg.train.seed)
   abstract, shardings = layout.abstract, layout.shardings
   num_params = sum(int(np.prod(a.shape))
