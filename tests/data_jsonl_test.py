@@ -4,6 +4,7 @@ process shards, a released model's tokenizer, and every kind of bad
 input."""
 
 import gzip
+import hashlib
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 import tensorflow as tf
 import tokenizers
 
-from data import packing, pipeline, records
+from data import jsonl, packing, pipeline, records
 from data import tokenizer as data_tokenizer
 from testbed import corpora
 
@@ -314,3 +315,32 @@ def test_double_star_globs_recurse_into_nested_folders(tmp_path):
       "a.jsonl", "x/b.jsonl", "x/y/c.jsonl", "x/y/z/d.jsonl"]
   got = records.match_files(f"{tmp_path}/x/**/c.jsonl", "files", None)
   assert [p[len(str(tmp_path)) + 1:] for p in got] == ["x/y/c.jsonl"]
+
+
+def test_a_missing_field_names_the_first_eight_keys():
+  settings = pipeline.DataConfig.from_config(_config("/x/*.jsonl")).dataset
+  record = json.dumps({f"k{i}": i for i in range(10)}).encode()
+  with pytest.raises(records.Problem) as error:
+    settings.text(record)
+  assert str(error.value) == (
+      "no text field 'text' (keys: ['k0', 'k1', 'k2', 'k3', 'k4', 'k5', "
+      "'k6', 'k7'])")
+
+
+def test_a_zstd_file_is_decompressed_once_into_a_named_copy(corpus,
+                                                            tmp_path):
+  root, _ = corpus
+  path = str(root / "c.jsonl.zst")
+  out = jsonl.decompressed(path, str(tmp_path))
+  # <data_dir>/decompressed/<16 hex digits of the file's key>_<its name>.
+  stat = os.stat(path)
+  key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}"
+                       .encode()).hexdigest()
+  assert out == os.path.join(str(tmp_path), "decompressed",
+                             f"{key[:16]}_c.jsonl")
+  with pa.CompressedInputStream(pa.OSFile(path), "zstd") as f:
+    with open(out, "rb") as copy:
+      assert copy.read() == f.read()
+  written = os.stat(out).st_mtime_ns
+  assert jsonl.decompressed(path, str(tmp_path)) == out
+  assert os.stat(out).st_mtime_ns == written
