@@ -226,6 +226,8 @@ def _write(path, lines):
 
 _BAD = [
     (b"{not json\n", "malformed_json", "line 2: malformed JSON"),
+    # One character: not a blank line to leave out.
+    (b"x\n", "malformed_json", "line 2: malformed JSON"),
     (b'{"title": "x"}\n', "missing_field", "line 2: no text field 'text'"),
     (b'{"text": 3}\n', "missing_field", "line 2: the field 'text' is a JSON"),
     (b'{"text": "caf\xe9 au lait"}\n', "not_utf8", "line 2: the text is not"),

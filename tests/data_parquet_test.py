@@ -7,7 +7,7 @@ import pyarrow as pa
 from pyarrow import parquet as pq
 import pytest
 
-from data import pipeline, records
+from data import parquet, pipeline, records
 from testbed import corpora
 
 SEQ_LEN = 32
@@ -114,3 +114,12 @@ def test_bad_rows_and_files(tmp_path):
     _, skipped = _documents(_config(f"{ok},{path}", skip_bad_records=True),
                             data_dir)
     assert skipped.counts() == {kind: count}
+
+
+def test_a_missing_column_names_the_first_eight_columns(tmp_path):
+  path = str(tmp_path / "wide.parquet")
+  pq.write_table(pa.table({f"c{i}": ["x"] for i in range(10)}), path)
+  with pytest.raises(records.BadRecordError) as error:
+    parquet.row_groups(path, "text", None)
+  assert ("no column 'text' (columns: ['c0', 'c1', 'c2', 'c3', 'c4', 'c5', "
+          "'c6', 'c7'])") in str(error.value)
