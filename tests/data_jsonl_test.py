@@ -346,3 +346,9 @@ def test_a_zstd_file_is_decompressed_once_into_a_named_copy(corpus,
   written = os.stat(out).st_mtime_ns
   assert jsonl.decompressed(path, str(tmp_path)) == out
   assert os.stat(out).st_mtime_ns == written
+  # A second file's copy beside the first one's.
+  other = str(tmp_path / "d.jsonl.zst")
+  with pa.CompressedOutputStream(other, "zstd") as f:
+    f.write(b'{"text": "d"}\n')
+  with open(jsonl.decompressed(other, str(tmp_path)), "rb") as copy:
+    assert copy.read() == b'{"text": "d"}\n'
