@@ -115,5 +115,9 @@ def test_init_rng_draws_the_parameters_and_nothing_else(data_dir):
   assert not same["embed"]["embeddings"]
   assert any(jax.tree.leaves(same)) and not all(jax.tree.leaves(same))
   np.testing.assert_array_equal(rbg.rng, threefry.rng)
+  # A typed key gives the same parameters as its raw bits.
+  typed = jax.jit(state.make_init_fn(m, tx, run.data.seq_len, "unsafe_rbg"))(
+      jax.random.wrap_key_data(steps.rng))
+  chex.assert_trees_all_equal(typed.params, again.params)
   with pytest.raises(ValueError, match="init_rng must be one of"):
     config_lib.TrainConfig(init_rng="philox")

@@ -48,8 +48,11 @@ def make_init_fn(model: hk.Transformed, tx: optax.GradientTransformation,
   def init(rng, params=None):
     params_rng, state_rng = jax.random.split(rng)
     if init_rng != "threefry":
-      params_rng = jax.random.wrap_key_data(
-          jax.random.split(params_rng).reshape(-1), impl=init_rng)
+      halves = jax.random.split(params_rng)
+      if jax.dtypes.issubdtype(halves.dtype, jax.dtypes.prng_key):
+        halves = jax.random.key_data(halves)   # A typed key's bits.
+      params_rng = jax.random.wrap_key_data(halves.reshape(-1),
+                                            impl=init_rng)
     if params is None:
       tokens = jnp.zeros((1, seq_len), jnp.int32)
       params = model.init(params_rng, tokens, jnp.ones_like(tokens))
