@@ -333,7 +333,10 @@ class LoopRun:
 
   check_finite = train_loop._Run.check_finite  # pylint: disable=protected-access
   log_startup = train_loop._Run.log_startup  # pylint: disable=protected-access
+  wait_for_steps = train_loop._Run.wait_for_steps  # pylint: disable=protected-access
   phases = ()
+  ahead = None
+  compiled_ahead = {}
 
   def __init__(self, clock, num_steps, log_every, ckpt_every):
     self.cfg = ml_collections.ConfigDict({
@@ -357,6 +360,7 @@ class LoopRun:
         train_row=self.log_row,
         writer=types.SimpleNamespace(flush=lambda: None))
     self.rows, self.checkpoints = [], []
+    self.first_step_parts = []
     self.preemption = preemption.Preemption(multi_process=False)
     self.save_clock = preemption.SaveClock(None)
 

@@ -1,5 +1,7 @@
 """Tests of train.loop and train.py: runs, resume, faults, log rows, meshes."""
 
+import collections
+import contextlib
 import json
 import logging
 import os
@@ -52,6 +54,30 @@ def restore_params(workdir, like_state):
   return state
 
 
+@contextlib.contextmanager
+def compile_log():
+  """Counts the programs lowered for compilation, by function name and
+  thread name, in every thread (JAX's `jax_log_compiles` messages)."""
+  counts = collections.Counter()
+
+  class Handler(logging.Handler):
+
+    def emit(self, record):
+      text = record.getMessage()
+      if text.startswith("Compiling jit("):
+        name = text[len("Compiling jit("):].split(")")[0]
+        counts[name, record.threadName] += 1
+
+  handler, logger = Handler(), logging.getLogger("jax")
+  logger.addHandler(handler)
+  jax.config.update("jax_log_compiles", True)
+  try:
+    yield counts
+  finally:
+    jax.config.update("jax_log_compiles", False)
+    logger.removeHandler(handler)
+
+
 def assert_trees_equal(a, b):
   assert jax.tree.structure(a) == jax.tree.structure(b)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
@@ -66,8 +92,15 @@ def test_one_step_smoke(tmp_path, data_dir, cache_dir):
   del cache_dir
   workdir = str(tmp_path / "run")
   config = tiny_config(data_dir, train__num_steps=1, train__tensorboard=True)
-  state = train_loop.train_and_evaluate(config, workdir)
+  with compile_log() as lowered:
+    state = train_loop.train_and_evaluate(config, workdir)
   assert int(state.step) == 1
+  # The steps were compiled beside the state's initialisation, and their
+  # first calls compiled nothing more.
+  steps = {k: n for k, n in lowered.items()
+           if k[0] in ("update", "eval_step")}
+  assert steps == {("eval_step", "kda_lm compile: eval step"): 1,
+                   ("update", "kda_lm compile: train step"): 1}, lowered
   rows = metrics.read_metrics(workdir)
   train_row, eval_row = rows
   assert train_row["step"] == 1 and np.isfinite(train_row["loss"])
@@ -82,15 +115,19 @@ def test_one_step_smoke(tmp_path, data_dir, cache_dir):
   assert any(name.startswith("events.out.tfevents") for name in
              os.listdir(os.path.join(workdir, "tensorboard")))
   # Rerunning the finished run restores and does nothing more.
-  again = train_loop.train_and_evaluate(config, workdir)
+  with compile_log() as lowered:
+    again = train_loop.train_and_evaluate(config, workdir)
   assert_trees_equal(again.params, state.params)
   assert len(metrics.read_metrics(workdir)) == 2
 
   # A different model refuses the checkpoint, naming the parameter.
   bigger = tiny_config(data_dir, train__num_steps=1, model__mlp_hidden_dim=96)
-  with pytest.raises(compat.IncompatibleCheckpointError,
-                     match=r"'layer_0/mlp/\w+/w' has shape"):
+  with compile_log() as lowered_too, pytest.raises(
+      compat.IncompatibleCheckpointError,
+      match=r"'layer_0/mlp/\w+/w' has shape"):
     train_loop.train_and_evaluate(bigger, workdir)
+  # Neither compiled its steps: nothing to train, a refused checkpoint.
+  assert not [k for k in lowered + lowered_too if k[0] == "update"]
 
   # The metrics plot.
   from experiments import plot_metrics  # pylint: disable=g-import-not-at-top
@@ -216,6 +253,8 @@ def test_non_finite_error_names_the_first_bad_metric_it_logs():
 # [[mesh sizes {axis: size}, steps, workdir], ...] in argv[2].
 _FOUR_DEVICES = """
 import importlib.util
+import collections
+import contextlib
 import json
 import logging
 import sys

@@ -57,6 +57,7 @@ from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import state as state_lib
 from kda_lm.checkpoint import workdir as workdir_lib
 from kda_lm.parallel import distributed, sharding
+from kda_lm.train import ahead as ahead_lib
 from kda_lm.train import metrics as metrics_lib
 from kda_lm.train import preemption as preemption_lib
 from kda_lm.train import step as step_lib
@@ -80,18 +81,22 @@ def _non_finite_error(step: int, values: Mapping[str, float],
       f"or config.opt.clip_norm.")
 
 
-def _under_mesh(mesh: jax.sharding.Mesh, fn: Callable[..., Any]
-                ) -> Callable[..., Any]:
-  """`fn` traced and run under `jax.set_mesh(mesh)`: the layers find the
-  mesh there and run their kernels and sorts per device
+class _UnderMesh:
+  """`fn` traced, lowered and run under `jax.set_mesh(mesh)`: the layers
+  find the mesh there and run their kernels and sorts per device
   (`kda_lm.parallel.maps`, `kda_lm.parallel.context`)."""
 
-  @functools.wraps(fn)
-  def call(*args, **kwargs):
-    with jax.set_mesh(mesh):
-      return fn(*args, **kwargs)
+  def __init__(self, mesh: jax.sharding.Mesh, fn: Any):
+    self.mesh = mesh
+    self.fn = fn
 
-  return call
+  def __call__(self, *args, **kwargs):
+    with jax.set_mesh(self.mesh):
+      return self.fn(*args, **kwargs)
+
+  def lower(self, *args, **kwargs) -> Any:
+    with jax.set_mesh(self.mesh):
+      return self.fn.lower(*args, **kwargs)
 
 
 class Steps(NamedTuple):
@@ -122,7 +127,7 @@ def build_steps(cfg: config_lib.RunConfig, mesh: jax.sharding.Mesh) -> Steps:
                dict(mesh.shape))
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = sharding.replicated(mesh)
-  on_mesh = functools.partial(_under_mesh, mesh)
+  on_mesh = functools.partial(_UnderMesh, mesh)
   # Parameters do not depend on the mesh: init traces its one-row batch
   # with the single-device layers (a [1,T] row cannot be split over
   # several data devices).
@@ -219,7 +224,8 @@ class _Run:
                  jax.device_count(), jax.devices()[0].platform,
                  jax.process_count())
     # Start-up phases (name, seconds), logged after the first step.
-    self.phases = [("imports and config", start_time - kda_lm.IMPORTED_AT)]
+    self.phases = [("imports, config and devices",
+                    time.time() - kda_lm.IMPORTED_AT)]
     mark = time.time()
     mesh = sharding.make_mesh(cfg.mesh)
     sharding.check_batch_shape(mesh, cfg.data.batch_size, cfg.data.seq_len,
@@ -239,6 +245,9 @@ class _Run:
     self.evaluated = False
     self.output = _Output(cfg, workdir, start_time, self.is_main)
     self.manager = None
+    self.ahead = None   # The steps' background compilation.
+    self.compiled_ahead = {}   # Its seconds per step.
+    self.first_step_parts = []   # Named parts of the first step's time.
     if cfg.checkpoint.enabled:
       self.manager = manager_lib.CheckpointManager(
           workdir_lib.checkpoint_dir(workdir),
@@ -259,12 +268,34 @@ class _Run:
 
   def log_startup(self, first_step_s: float) -> None:
     """One line: each start-up phase's seconds, up to the end of the
-    first step."""
-    phases = list(self.phases) + [("first step, compilation included",
-                                   first_step_s)]
-    logging.info("Start-up %.1f s: %s%s.", sum(s for _, s in phases),
+    first step (whose parts, `first_step_parts`, are named)."""
+    parts = list(self.first_step_parts)
+    rest = first_step_s - sum(s for _, s in parts)
+    phases = list(self.phases) + parts + [
+        ("first step" if self.compiled_ahead else
+         "first step, compilation included", rest)]
+    beside = "".join(f"; {name} compiled in {s:.1f} s beside the state"
+                     for name, s in self.compiled_ahead.items())
+    logging.info("Start-up %.1f s: %s%s%s.", sum(s for _, s in phases),
                  ", ".join(f"{name} {s:.1f} s" for name, s in phases),
-                 self.cache_counts.text())
+                 beside, self.cache_counts.text())
+
+  def compile_ahead(self, start_step: int) -> None:
+    """Starts compiling the steps in the background (`ahead`), once, unless
+    `start_step` already reaches `train.num_steps`."""
+    if self.ahead is None and start_step < self.cfg.train.num_steps:
+      self.ahead = ahead_lib.compile_steps(
+          self.steps, self.cfg.data.batch_size, self.cfg.data.seq_len,
+          with_eval=self.eval_batches is not None)
+
+  def wait_for_steps(self) -> None:
+    """Waits for the background compilation (re-raising its error)."""
+    if self.ahead is not None:
+      mark = time.time()
+      self.compiled_ahead = self.ahead.wait()
+      self.ahead = None
+      self.first_step_parts.append(("compilation after the state",
+                                    time.time() - mark))
 
   def evaluate(self, step: int, state: TrainState) -> bool:
     """Evaluates and logs; True when the run should stop here."""
@@ -310,6 +341,8 @@ class _Run:
                  f"; best eval accuracy {self.best_eval:.4f}")
 
   def close(self) -> None:
+    if self.ahead is not None:
+      self.ahead.join()   # No compilation outlives the run.
     self.output.close()
     if self.manager is not None:
       self.manager.close()
@@ -321,9 +354,15 @@ def _restore_or_init(run: _Run) -> TrainState:
   manager, changes, state = run.manager, [], None
   mark = time.time()
   if manager:
-    state = manager.restore(
-        run.steps.abstract, run.train_it,
-        on_config=_resume_check(run.cfg, run.config_json, changes))
+    check = _resume_check(run.cfg, run.config_json, changes)
+
+    def on_config(step: int, saved: dict[str, Any] | None) -> bool:
+      restore_data = check(step, saved)
+      run.compile_ahead(step)   # The checks passed: compile beside restore.
+      return restore_data
+
+    state = manager.restore(run.steps.abstract, run.train_it,
+                            on_config=on_config)
   if state is not None:
     run.start_step = int(jax.device_get(state.step))
     logging.info("Resuming from the checkpoint of step %d in %s.",
@@ -332,6 +371,7 @@ def _restore_or_init(run: _Run) -> TrainState:
     if manager:
       logging.info("No checkpoint in %s: starting from scratch.",
                    manager.directory)
+    run.compile_ahead(0)
     state = run.steps.init(run.steps.rng)
   run.phases.append((f"state {'restored' if run.start_step else 'built'}",
                      time.time() - mark))
@@ -415,9 +455,13 @@ def _train_loop(run: _Run, state: TrainState) -> TrainState:
   for step in range(run.start_step + 1, num_steps + 1):
     if run.manager is not None:
       run.manager.check_for_errors()   # A failed background save stops here.
+    mark = time.time()
     batch = next(run.train_it)
     step_lib.check_batch(batch, cfg.model.vocab_size,
                          f"the batch of step {step}")
+    if step == run.start_step + 1:
+      run.first_step_parts.append(("first batch", time.time() - mark))
+      run.wait_for_steps()
     state, step_metrics = run.steps.update(
         state, sharding.global_batch(batch, run.steps.batch_sharding))
     window.add(step, step_metrics)

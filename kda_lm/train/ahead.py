@@ -1,0 +1,85 @@
+"""The train and eval steps compiled ahead of their first call.
+
+A run's start-up is mostly compilation of three programs: the state's
+initialisation, the update step and the eval step. `Ahead` compiles the
+steps in background threads from their abstract arguments (the state's
+shapes and shardings, a global `[B,T]` batch of `data.packing.FEATURES`)
+while the main thread restores or initialises the state. JAX keeps each
+executable, so the first call of a step finds its program compiled; XLA's
+compiler releases the GIL, so the compilations share the host's cores.
+"""
+
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+from absl import logging
+import jax
+import numpy as np
+
+from data import packing
+
+
+def abstract_batch(batch_size: int, seq_len: int,
+                   batch_sharding: jax.sharding.Sharding
+                   ) -> dict[str, jax.ShapeDtypeStruct]:
+  """The global batch the steps are called with (`sharding.global_batch`
+  of the pipeline's `[batch_size, seq_len]` rows)."""
+  return {key: jax.ShapeDtypeStruct((batch_size, seq_len),
+                                    np.dtype(dtype.as_numpy_dtype),
+                                    sharding=batch_sharding)
+          for key, dtype in packing.FEATURES.items()}
+
+
+class Ahead:
+  """Named jobs (compilations), each run in its own background thread."""
+
+  def __init__(self, jobs: Mapping[str, Callable[[], Any]]):
+    self._seconds: dict[str, float] = {}
+    self._errors: dict[str, BaseException] = {}
+    self._threads = [
+        threading.Thread(target=self._run, args=(name, job),
+                         name=f"kda_lm compile: {name}")
+        for name, job in jobs.items()]
+    for thread in self._threads:
+      thread.start()
+
+  def _run(self, name: str, job: Callable[[], Any]) -> None:
+    start = time.time()
+    try:
+      job()
+    except BaseException as error:  # pylint: disable=broad-except
+      self._errors[name] = error
+    self._seconds[name] = time.time() - start
+
+  def join(self) -> None:
+    """Waits for every job (their errors are kept for `wait`)."""
+    for thread in self._threads:
+      thread.join()
+
+  def wait(self) -> dict[str, float]:
+    """Waits for every job; returns each one's seconds.
+
+    Raises:
+      The first failed job's error (the same error its step's first call
+      would raise).
+    """
+    self.join()
+    for error in self._errors.values():
+      raise error
+    return dict(self._seconds)
+
+
+def compile_steps(steps: Any, batch_size: int, seq_len: int,
+                  with_eval: bool) -> Ahead:
+  """Starts compiling `steps.update` (and `steps.eval_step` when
+  `with_eval`) for the global batch of `batch_size` rows of `seq_len`;
+  `steps` is `loop.Steps` (steps with a `lower` method)."""
+  batch = abstract_batch(batch_size, seq_len, steps.batch_sharding)
+  jobs = {"train step": lambda: steps.update.lower(
+      steps.abstract, batch).compile()}
+  if with_eval:
+    jobs["eval step"] = lambda: steps.eval_step.lower(
+        steps.abstract.params, batch).compile()
+  logging.info("Compiling the %s in the background.", " and ".join(jobs))
+  return Ahead(jobs)
