@@ -101,7 +101,11 @@ def test_init_rng_draws_the_parameters_and_nothing_else(data_dir):
   rbg = steps.init(steps.rng)
   m = model_lib.build(run.model)
   tx, _ = optimizer.make_optimizer(run.opt, run.train.num_steps)
-  threefry = jax.jit(state.make_init_fn(m, tx, run.data.seq_len))(steps.rng)
+  threefry = jax.jit(state.make_init_fn(m, tx, run.data.seq_len,
+                                        "threefry"))(steps.rng)
+  # "auto", the default, is threefry on the CPU.
+  auto = jax.jit(state.make_init_fn(m, tx, run.data.seq_len))(steps.rng)
+  chex.assert_trees_all_equal(jax.device_get(auto), jax.device_get(threefry))
   again = jax.jit(state.make_init_fn(m, tx, run.data.seq_len,
                                      "unsafe_rbg"))(steps.rng)
   # The run's init uses the config's generator, the same values each time.
@@ -121,3 +125,12 @@ def test_init_rng_draws_the_parameters_and_nothing_else(data_dir):
   chex.assert_trees_all_equal(typed.params, again.params)
   with pytest.raises(ValueError, match="init_rng must be one of"):
     config_lib.TrainConfig(init_rng="philox")
+
+
+def test_auto_init_rng_is_unsafe_rbg_on_accelerators_only():
+  assert config_lib.TrainConfig().init_rng == "auto"
+  assert [state.init_rng_impl("auto", p) for p in ("tpu", "gpu", "cpu")] == [
+      "unsafe_rbg", "unsafe_rbg", "threefry"]
+  assert state.init_rng_impl("auto") == "threefry"   # This CPU backend.
+  for choice in ("threefry", "unsafe_rbg"):
+    assert state.init_rng_impl(choice, "tpu") == choice

@@ -221,12 +221,12 @@ def test_a_recorded_config_gets_the_keys_added_since(data_dir, tmp_path):
   with pytest.raises(ValueError, match="Missing config keys"):
     config_lib.check_config(ml_collections.ConfigDict(config))
   filled = workdir.with_defaults(config)
-  assert filled["train"]["init_rng"] == "threefry"
+  assert filled["train"]["init_rng"] == "auto"
   assert filled["opt"]["moment_dtype"] == "float32"
   assert filled["train"]["log_every"] == 7       # recorded values kept
   assert "init_rng" not in config["train"]       # a copy
   config_lib.check_config(ml_collections.ConfigDict(filled))
   workdir.write_config(str(tmp_path), config, step=0)
   loaded = state.load_config(str(tmp_path))
-  assert loaded.train.init_rng == "threefry" and loaded.train.log_every == 7
+  assert loaded.train.init_rng == "auto" and loaded.train.log_every == 7
   config_lib.check_config(loaded)

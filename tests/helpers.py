@@ -336,6 +336,7 @@ class LoopRun:
   wait_for_steps = train_loop._Run.wait_for_steps  # pylint: disable=protected-access
   phases = ()
   ahead = None
+  lowered = {}
   compiled_ahead = {}
 
   def __init__(self, clock, num_steps, log_every, ckpt_every):

@@ -56,17 +56,22 @@ def restore_params(workdir, like_state):
 
 @contextlib.contextmanager
 def compile_log():
-  """Counts the programs lowered for compilation, by function name and
-  thread name, in every thread (JAX's `jax_log_compiles` messages)."""
+  """Counts the programs lowered ("Compiling jit(f)") and compiled
+  ("Finished XLA compilation of jit(f)", a cache hit too) by (what,
+  function name, thread name), in every thread: JAX's `jax_log_compiles`
+  messages."""
   counts = collections.Counter()
+  prefixes = {"lowered": "Compiling jit(",
+              "compiled": "Finished XLA compilation of jit("}
 
   class Handler(logging.Handler):
 
     def emit(self, record):
       text = record.getMessage()
-      if text.startswith("Compiling jit("):
-        name = text[len("Compiling jit("):].split(")")[0]
-        counts[name, record.threadName] += 1
+      for what, prefix in prefixes.items():
+        if text.startswith(prefix):
+          name = text[len(prefix):].split(")")[0]
+          counts[what, name, record.threadName] += 1
 
   handler, logger = Handler(), logging.getLogger("jax")
   logger.addHandler(handler)
@@ -95,12 +100,14 @@ def test_one_step_smoke(tmp_path, data_dir, cache_dir):
   with compile_log() as lowered:
     state = train_loop.train_and_evaluate(config, workdir)
   assert int(state.step) == 1
-  # The steps were compiled beside the state's initialisation, and their
-  # first calls compiled nothing more.
-  steps = {k: n for k, n in lowered.items()
-           if k[0] in ("update", "eval_step")}
-  assert steps == {("eval_step", "kda_lm compile: eval step"): 1,
-                   ("update", "kda_lm compile: train step"): 1}, lowered
+  # The steps were lowered first and compiled beside the state's
+  # initialisation; their first calls compiled nothing more.
+  steps = {k: n for k, n in lowered.items() if k[1] in ("update", "eval_step")}
+  assert steps == {
+      ("lowered", "update", "MainThread"): 1,
+      ("lowered", "eval_step", "MainThread"): 1,
+      ("compiled", "update", "kda_lm compile: train step"): 1,
+      ("compiled", "eval_step", "kda_lm compile: eval step"): 1}, lowered
   rows = metrics.read_metrics(workdir)
   train_row, eval_row = rows
   assert train_row["step"] == 1 and np.isfinite(train_row["loss"])
@@ -127,7 +134,7 @@ def test_one_step_smoke(tmp_path, data_dir, cache_dir):
       match=r"'layer_0/mlp/\w+/w' has shape"):
     train_loop.train_and_evaluate(bigger, workdir)
   # Neither compiled its steps: nothing to train, a refused checkpoint.
-  assert not [k for k in lowered + lowered_too if k[0] == "update"]
+  assert not [k for k in lowered + lowered_too if k[1] == "update"]
 
   # The metrics plot.
   from experiments import plot_metrics  # pylint: disable=g-import-not-at-top

@@ -32,27 +32,42 @@ class TrainState(NamedTuple):
   step: jax.Array  # int32 scalar: updates done so far.
 
 
+def init_rng_impl(choice: str, platform: str | None = None) -> str:
+  """The PRNG implementation `train.init_rng` names: "auto" is
+  "unsafe_rbg" on accelerators (TPU, GPU) and "threefry" on the CPU.
+
+  Args:
+    choice: one of `config.INIT_RNGS`.
+    platform: default `jax.default_backend()`.
+  """
+  if choice != "auto":
+    return choice
+  platform = platform or jax.default_backend()
+  return "threefry" if platform == "cpu" else "unsafe_rbg"
+
+
 def make_init_fn(model: hk.Transformed, tx: optax.GradientTransformation,
-                 seq_len: int, init_rng: str = "threefry"
+                 seq_len: int, init_rng: str = "auto"
                  ) -> Callable[..., TrainState]:
   """Returns `init(rng, params=None) -> TrainState` at step 0: fresh
   parameters (traced on a `[1, seq_len]` row of token 0, one document) or
   the given ones (an imported checkpoint's), a fresh optimizer state, and
   the state's rng, split from `rng` the same way in both cases.
 
-  `init_rng` (`config.train.init_rng`) is the parameters' generator:
-  "threefry" draws from `rng`'s split, "unsafe_rbg" from a key of that
-  implementation made of the split's two halves.
+  `init_rng` (`config.train.init_rng`, resolved by
+  `init_rng_impl`) is the parameters' generator: "threefry" draws
+  from `rng`'s split, "unsafe_rbg" from a key of that implementation made
+  of the split's two halves.
   """
+  impl = init_rng_impl(init_rng)
 
   def init(rng, params=None):
     params_rng, state_rng = jax.random.split(rng)
-    if init_rng != "threefry":
+    if impl != "threefry":
       halves = jax.random.split(params_rng)
       if jax.dtypes.issubdtype(halves.dtype, jax.dtypes.prng_key):
         halves = jax.random.key_data(halves)   # A typed key's bits.
-      params_rng = jax.random.wrap_key_data(halves.reshape(-1),
-                                            impl=init_rng)
+      params_rng = jax.random.wrap_key_data(halves.reshape(-1), impl=impl)
     if params is None:
       tokens = jnp.zeros((1, seq_len), jnp.int32)
       params = model.init(params_rng, tokens, jnp.ones_like(tokens))
@@ -77,7 +92,7 @@ class StateLayout(NamedTuple):
 
 def state_layout(model: hk.Transformed, tx: optax.GradientTransformation,
                  seq_len: int, mesh: jax.sharding.Mesh,
-                 init_rng: str = "threefry") -> StateLayout:
+                 init_rng: str = "auto") -> StateLayout:
   """The one builder of a TrainState, its shapes and its shardings: used
   by training, loading a run, the Hugging Face import and the compile
   checks alike."""

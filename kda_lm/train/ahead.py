@@ -1,12 +1,14 @@
 """The train and eval steps compiled ahead of their first call.
 
 A run's start-up is mostly compilation of three programs: the state's
-initialisation, the update step and the eval step. `Ahead` compiles the
-steps in background threads from their abstract arguments (the state's
-shapes and shardings, a global `[B,T]` batch of `data.packing.FEATURES`)
-while the main thread restores or initialises the state. JAX keeps each
-executable, so the first call of a step finds its program compiled; XLA's
-compiler releases the GIL, so the compilations share the host's cores.
+initialisation, the update step and the eval step. The steps are traced
+and lowered first (`lower_steps`, from their abstract arguments: the
+state's shapes and shardings, a global `[B,T]` batch of
+`data.packing.FEATURES`); `compile_steps` then compiles them in background
+threads while the main thread restores or initialises the state. JAX
+keeps each executable, so the first call of a step finds its program
+compiled; XLA's compiler releases the GIL, so the compilations share the
+host's cores.
 """
 
 import threading
@@ -70,16 +72,21 @@ class Ahead:
     return dict(self._seconds)
 
 
-def compile_steps(steps: Any, batch_size: int, seq_len: int,
-                  with_eval: bool) -> Ahead:
-  """Starts compiling `steps.update` (and `steps.eval_step` when
-  `with_eval`) for the global batch of `batch_size` rows of `seq_len`;
-  `steps` is `loop.Steps` (steps with a `lower` method)."""
+def lower_steps(steps: Any, batch_size: int, seq_len: int,
+                with_eval: bool) -> dict[str, Any]:
+  """`steps.update` (and `steps.eval_step` when `with_eval`) traced and
+  lowered for the global batch of `batch_size` rows of `seq_len`, by name;
+  `steps` is `loop.Steps` (steps with a `lower` method). Tracing holds the
+  GIL, so it runs here, before the compilations share the cores."""
   batch = abstract_batch(batch_size, seq_len, steps.batch_sharding)
-  jobs = {"train step": lambda: steps.update.lower(
-      steps.abstract, batch).compile()}
+  lowered = {"train step": steps.update.lower(steps.abstract, batch)}
   if with_eval:
-    jobs["eval step"] = lambda: steps.eval_step.lower(
-        steps.abstract.params, batch).compile()
-  logging.info("Compiling the %s in the background.", " and ".join(jobs))
-  return Ahead(jobs)
+    lowered["eval step"] = steps.eval_step.lower(steps.abstract.params,
+                                                 batch)
+  return lowered
+
+
+def compile_steps(lowered: Mapping[str, Any]) -> Ahead:
+  """Starts compiling each of `lower_steps`' programs in its own thread."""
+  logging.info("Compiling the %s in the background.", " and ".join(lowered))
+  return Ahead({name: program.compile for name, program in lowered.items()})

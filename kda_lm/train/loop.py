@@ -122,9 +122,10 @@ def build_steps(cfg: config_lib.RunConfig, mesh: jax.sharding.Mesh) -> Steps:
                    for a in jax.tree.leaves(abstract.params))
   T = cfg.data.seq_len
   flops_per_token = flops.step_flops(cfg.model, 1, T, abstract.params) / T
-  logging.info("Model: %s parameters, %.3g training FLOPs per token at "
-               "T=%d; mesh %s.", f"{num_params:,}", flops_per_token, T,
-               dict(mesh.shape))
+  logging.info("Model: %s parameters (initialised with %s), %.3g training "
+               "FLOPs per token at T=%d; mesh %s.", f"{num_params:,}",
+               state_lib.init_rng_impl(cfg.train.init_rng), flops_per_token,
+               T, dict(mesh.shape))
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = sharding.replicated(mesh)
   on_mesh = functools.partial(_UnderMesh, mesh)
@@ -245,7 +246,8 @@ class _Run:
     self.evaluated = False
     self.output = _Output(cfg, workdir, start_time, self.is_main)
     self.manager = None
-    self.ahead = None   # The steps' background compilation.
+    self.lowered = {}   # The steps traced and lowered, by name.
+    self.ahead = None   # Their background compilation.
     self.compiled_ahead = {}   # Its seconds per step.
     self.first_step_parts = []   # Named parts of the first step's time.
     if cfg.checkpoint.enabled:
@@ -280,13 +282,23 @@ class _Run:
                  ", ".join(f"{name} {s:.1f} s" for name, s in phases),
                  beside, self.cache_counts.text())
 
-  def compile_ahead(self, start_step: int) -> None:
-    """Starts compiling the steps in the background (`ahead`), once, unless
-    `start_step` already reaches `train.num_steps`."""
-    if self.ahead is None and start_step < self.cfg.train.num_steps:
-      self.ahead = ahead_lib.compile_steps(
+  def lower_steps(self) -> None:
+    """Traces and lowers the steps (`lowered`), unless the newest
+    checkpoint already reaches `train.num_steps`."""
+    latest = self.manager.latest_step() if self.manager else None
+    if latest is None or latest < self.cfg.train.num_steps:
+      mark = time.time()
+      self.lowered = ahead_lib.lower_steps(
           self.steps, self.cfg.data.batch_size, self.cfg.data.seq_len,
           with_eval=self.eval_batches is not None)
+      self.phases.append(("steps traced", time.time() - mark))
+
+  def compile_ahead(self, start_step: int) -> None:
+    """Starts compiling the lowered steps in the background (`ahead`),
+    once, unless `start_step` already reaches `train.num_steps`."""
+    if (self.lowered and self.ahead is None
+        and start_step < self.cfg.train.num_steps):
+      self.ahead = ahead_lib.compile_steps(self.lowered)
 
   def wait_for_steps(self) -> None:
     """Waits for the background compilation (re-raising its error)."""
@@ -352,6 +364,7 @@ def _restore_or_init(run: _Run) -> TrainState:
   """The newest complete checkpoint's state, else a fresh one; records the
   run's config and starts its output at the step it resumes from."""
   manager, changes, state = run.manager, [], None
+  run.lower_steps()
   mark = time.time()
   if manager:
     check = _resume_check(run.cfg, run.config_json, changes)
