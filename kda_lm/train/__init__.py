@@ -4,6 +4,8 @@
   biases) and the eval loop over batches.
 * `loop`: `train_and_evaluate` (set-up, resume, when to log, evaluate and
   save).
+* `ahead`: the train and eval steps lowered, then compiled in background
+  threads while the state is initialised or restored.
 * `metrics`: `metrics.jsonl`, TensorBoard, the console progress, the
   averaging window of a log row.
 * `preemption`: SIGTERM/SIGINT to a saved step and exit status 75 (all
