@@ -16,7 +16,7 @@ import optax
 import pytest
 
 from kda_lm import config as config_lib
-from kda_lm.checkpoint import compat, manifest
+from kda_lm.checkpoint import compat, manifest, paths
 from kda_lm.checkpoint import manager as manager_lib
 
 
@@ -624,14 +624,14 @@ def test_the_space_check_skips_a_file_renamed_while_it_walks(
   vanishing = os.path.join(directory, "1", "manifest.json.tmp")
   with open(vanishing, "w") as f:
     f.write("{}")
-  getsize = os.path.getsize
+  size = paths.size
 
   def renamed_meanwhile(path):
-    if path == vanishing:
+    if os.fspath(path) == vanishing:
       raise FileNotFoundError(path)
-    return getsize(path)
+    return size(path)
 
-  monkeypatch.setattr(os.path, "getsize", renamed_meanwhile)
+  monkeypatch.setattr(paths, "size", renamed_meanwhile)
   manager._warn_if_short_of_space(2)  # pylint: disable=protected-access
   monkeypatch.undo()
   os.remove(vanishing)
@@ -653,3 +653,4 @@ def test_async_save_none_chooses_by_the_states_bytes():
   with pytest.raises(ValueError, match="async_save must be None, True or "
                      "False, got 'yes'"):
     config_lib.CheckpointConfig(async_save="yes")
+

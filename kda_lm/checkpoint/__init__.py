@@ -5,6 +5,7 @@
 * `manager`: Orbax checkpoints of the training state and the data
   iterator (async save, restore with fallback, compatibility check).
 * `manifest`: per-step file sizes and SHA-256, written and verified.
+* `paths`: local paths and `gs://` URLs, reached through `etils.epath`.
 * `compat`: whether a checkpoint's parameters fit the model.
 * `data_item`: the Orbax handler of the data iterator's position.
 * `state`: `TrainState`, its initialisation and abstract shapes, and

@@ -12,6 +12,9 @@ holding three items:
 * `config`: the run's config as JSON, so a resume can tell whether it is
   about to continue the same run (`kda_lm.checkpoint.workdir.check_resume`).
 
+The directory may be local or a URL such as `gs://bucket/run/checkpoints`:
+files are reached through `etils.epath`, as Orbax does (`paths.py`).
+
 Once a step is complete, its manifest (`manifest.py`: the size and SHA-256
 of every file of the step) is written beside it, in a background thread
 (hashing a large checkpoint takes minutes; the loop goes on), and a
@@ -42,17 +45,17 @@ Usage:
 """
 
 import concurrent.futures
-import os
 import re
 import shutil
 import time
 from typing import Any, Callable
 
 from absl import logging
+from etils import epath
 import jax
 import orbax.checkpoint as ocp
 
-from kda_lm.checkpoint import compat, data_item, manifest
+from kda_lm.checkpoint import compat, data_item, manifest, paths
 
 STATE_ITEM = "state"
 DATA_ITEM = "data"
@@ -107,27 +110,26 @@ def _root_cause(error: BaseException) -> BaseException:
   return found
 
 
-def _tree_bytes(path: str) -> int:
+def _tree_bytes(path: epath.Path) -> int:
   """The bytes of the files under `path`. Files that vanish while it is
   walked (the manifest's temporary file, written beside it in the
   background, is renamed) are skipped."""
   total = 0
-  for root, _, names in os.walk(path):
-    for name in names:
-      try:
-        total += os.path.getsize(os.path.join(root, name))
-      except OSError:
-        pass
+  for _, file in paths.files(path):
+    try:
+      total += paths.size(file)
+    except OSError:
+      pass
   return total
 
 
-def _write_manifest(step_dir: str) -> None:
+def _write_manifest(step_dir: epath.Path) -> None:
   """`manifest.write_manifest`, unless the step was deleted meanwhile (an
   older step past `max_to_keep`)."""
   try:
     manifest.write_manifest(step_dir)
   except FileNotFoundError:
-    if os.path.isdir(step_dir):
+    if step_dir.is_dir():
       raise
 
 
@@ -144,11 +146,13 @@ class CheckpointManager:
     """Opens (creating it if needed) the checkpoint directory.
 
     Args:
-      directory: checkpoint directory; made absolute.
+      directory: checkpoint directory: local (made absolute) or a URL such
+        as `gs://bucket/run/checkpoints`.
       max_to_keep: most recent checkpoints kept (None: all).
       async_save: write the arrays in a background thread.
     """
-    self.directory = os.path.abspath(os.path.expanduser(directory))
+    self.directory = paths.absolute(directory)
+    self._root = epath.Path(self.directory)
     self._warn_about_partial_saves()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
@@ -174,15 +178,11 @@ class CheckpointManager:
     self._manifest: tuple[int, concurrent.futures.Future] | None = None
 
   def _warn_about_partial_saves(self) -> None:
-    if not os.path.isdir(self.directory):
-      return
-    for name in sorted(os.listdir(self.directory)):
-      match = _TMP_PATTERN.match(name)
-      if match:
-        logging.warning(
-            "Skipping the partially written checkpoint of step %s (%s): the "
-            "process probably stopped while saving it. It will be deleted.",
-            match.group(1), os.path.join(self.directory, name))
+    for path in self._partial_dirs():
+      logging.warning(
+          "Skipping the partially written checkpoint of step %s (%s): the "
+          "process probably stopped while saving it. It will be deleted.",
+          _TMP_PATTERN.match(path.name).group(1), path)
 
   def all_steps(self) -> list[int]:
     """Returns the steps of the complete checkpoints, ascending."""
@@ -237,6 +237,9 @@ class CheckpointManager:
     return bool(saved)
 
   def _free_bytes(self) -> int | None:
+    """Free bytes of the local disk; None for an object store."""
+    if paths.is_remote(self.directory):
+      return None
     try:
       return shutil.disk_usage(self.directory).free
     except OSError:
@@ -259,8 +262,7 @@ class CheckpointManager:
                   ) -> CheckpointSaveError:
     """The one message of a failed save: cause, room, what is intact."""
     cause = _root_cause(error)
-    where = self.directory if step is None else os.path.join(
-        self.directory, str(step))
+    where = self.directory if step is None else self._root / str(step)
     free = self._free_bytes()
     room = "" if free is None else f" ({free / 2**20:.1f} MiB free)"
     steps = self.all_steps()
@@ -275,7 +277,7 @@ class CheckpointManager:
         f"{self.directory} is intact (steps {steps}){resume}.")
 
   def _step_bytes(self, step: int) -> int:
-    return _tree_bytes(os.path.join(self.directory, str(step)))
+    return _tree_bytes(self._root / str(step))
 
   def _fail(self, step: int | None, error: BaseException
             ) -> CheckpointSaveError:
@@ -288,12 +290,11 @@ class CheckpointManager:
       self._saving = None
     return self._failed
 
-  def _partial_dirs(self) -> list[str]:
-    if not os.path.isdir(self.directory):
+  def _partial_dirs(self) -> list[epath.Path]:
+    if not self._root.is_dir():
       return []
-    return [os.path.join(self.directory, name)
-            for name in sorted(os.listdir(self.directory))
-            if _TMP_PATTERN.match(name)]
+    return sorted(path for path in self._root.iterdir()
+                  if _TMP_PATTERN.match(path.name))
 
   def _discard_partial(self) -> None:
     """Waits until the partial directories stop changing (bounded), then
@@ -312,8 +313,12 @@ class CheckpointManager:
     if jax.process_index() != 0:
       return
     for path in self._partial_dirs():
-      shutil.rmtree(path, ignore_errors=True)
-      logging.info("Removed the partial checkpoint %s.", path)
+      try:
+        path.rmtree()
+        logging.info("Removed the partial checkpoint %s.", path)
+      except OSError as e:
+        logging.warning("Could not remove the partial checkpoint %s: %s",
+                        path, e)
 
   def check_for_errors(self) -> None:
     """Raises `CheckpointSaveError` if a background save has failed."""
@@ -335,8 +340,8 @@ class CheckpointManager:
     step, self._saving = self._saving, None
     if step is None or jax.process_index() != 0:
       return
-    step_dir = os.path.join(self.directory, str(step))
-    if os.path.isdir(step_dir):
+    step_dir = self._root / str(step)
+    if step_dir.is_dir():
       self._manifest_written()
       self._manifest = (step, self._hasher.submit(_write_manifest, step_dir))
 
@@ -356,8 +361,7 @@ class CheckpointManager:
 
   def saved_config(self, step: int) -> dict[str, Any] | None:
     """The config saved with `step` (None for a checkpoint without one)."""
-    path = os.path.join(self.directory, str(step), CONFIG_ITEM)
-    if not os.path.isdir(path):
+    if not (self._root / str(step) / CONFIG_ITEM).is_dir():
       return None
     restored = self._manager.restore(
         step, args=ocp.args.Composite(
@@ -376,11 +380,10 @@ class CheckpointManager:
     """Moves an unreadable step out of the way so it can be saved again."""
     if jax.process_index() != 0:
       return
-    source = os.path.join(self.directory, str(step))
-    target = os.path.join(self.directory,
-                          f"unreadable-{step}-{int(time.time())}")
+    source = self._root / str(step)
+    target = self._root / f"unreadable-{step}-{int(time.time())}"
     try:
-      os.rename(source, target)
+      source.rename(target)
       logging.warning("Moved the unreadable checkpoint to %s.", target)
     except OSError as e:
       logging.warning("Could not move the unreadable checkpoint %s: %s",
@@ -389,7 +392,7 @@ class CheckpointManager:
 
   def _verified_params(self, step: int) -> Any:
     """The step's parameter metadata, once its files match its manifest."""
-    where = os.path.join(self.directory, str(step))
+    where = self._root / str(step)
     if not manifest.verify_manifest(where):
       logging.warning("Checkpoint %s has no manifest (the process stopped "
                       "right after saving it): not verified.", where)
