@@ -654,3 +654,92 @@ def test_async_save_none_chooses_by_the_states_bytes():
                      "False, got 'yes'"):
     config_lib.CheckpointConfig(async_save="yes")
 
+
+# Verification shared between processes, seen from one process: the
+# others' verdicts come from a fake all-gather.
+
+
+class Process:
+  """`jax` as seen by process `index` of `count`."""
+
+  def __init__(self, index: int, count: int):
+    self.index, self.count = index, count
+
+  def __getattr__(self, name):
+    return getattr(jax, name)
+
+  def process_index(self):
+    return self.index
+
+  def process_count(self):
+    return self.count
+
+
+def _peers(monkeypatch, index, count, verdicts):
+  """Makes this process `index` of `count`; each all-gather returns this
+  process's code among `verdicts.pop(0)` (the others'). Returns the
+  barriers' names."""
+  barriers = []
+
+  def allgather(codes):
+    others = list(verdicts.pop(0))
+    others.insert(index, int(np.asarray(codes).reshape(-1)[0]))
+    return np.asarray(others, np.int32)[:, None]
+
+  monkeypatch.setattr(manager_lib, "jax", Process(index, count))
+  monkeypatch.setattr(manager_lib.multihost_utils, "process_allgather",
+                      allgather)
+  monkeypatch.setattr(manager_lib.multihost_utils, "sync_global_devices",
+                      barriers.append)
+  return barriers
+
+
+def test_the_processes_agree_on_a_verdict(monkeypatch):
+  # pylint: disable=protected-access
+  own = manifest.CorruptCheckpointError("a.bin is missing")
+  _peers(monkeypatch, 0, 3, [[0, 0], [0, 1], [2, 1], [1, 1]])
+  assert manager_lib._agreed(None) is None
+  with pytest.raises(manifest.CorruptCheckpointError,
+                     match="^process 2 of 3 found a corrupt file"):
+    raise manager_lib._agreed(None)
+  with pytest.raises(manager_lib.PeerCheckpointError,
+                     match="^process 1 of 3 failed"):
+    raise manager_lib._agreed(None)
+  assert manager_lib._agreed(own) is own     # Its own names the file.
+  monkeypatch.setattr(manager_lib, "jax", Process(0, 1))
+  assert manager_lib._agreed(own) is own     # Alone: no collective.
+  assert manager_lib._agreed(None) is None
+
+
+def test_a_corrupt_file_found_by_another_process_skips_the_step(
+    tmp_path, monkeypatch, caplog):
+  """Process 0 of 2 hashes its half of step 2's files and finds nothing;
+  process 1 reports a corrupt file: process 0 falls back to step 1 too,
+  and moves step 2 aside before every process reloads the steps."""
+  directory = str(tmp_path / "ckpt")
+  save_steps(directory, [1, 2])
+  every = {s: sorted(rel for rel, _ in paths.files(f"{directory}/{s}")
+                     if rel != manifest.MANIFEST_FILE) for s in (1, 2)}
+  hashed, sha256 = [], manifest._sha256  # pylint: disable=protected-access
+  monkeypatch.setattr(manifest, "_sha256",
+                      lambda path: hashed.append(path) or sha256(path))
+  # Step 2: the manifest check (process 1: corrupt), then the attempt
+  # (failed everywhere); step 1: the check, the attempt, the read.
+  verdicts = [[1], [1], [0], [0], [0]]
+  barriers = _peers(monkeypatch, 0, 2, verdicts)
+  manager = manager_lib.CheckpointManager(directory)
+  iterator = FakeIterator()
+  with caplog.at_level(logging.WARNING):
+    restored = manager.restore(abstract(), iterator)
+  manager.close()
+  assert_trees_equal(restored, make_state(step=1, seed=1))
+  assert iterator.position == 1
+  assert (f"{directory}/2: it is unreadable or damaged "
+          "(CorruptCheckpointError: process 1 of 2 found a corrupt file "
+          "(its log names it)).") in caplog.text
+  assert barriers == ["kda_lm: set aside 2"] and not verdicts
+  assert any(n.startswith("unreadable-2-") for n in os.listdir(directory))
+  for step in (1, 2):   # Process 0's half of each step's files, no more.
+    mine = sorted(os.path.relpath(p, f"{directory}/{step}") for p in hashed
+                  if os.fspath(p).startswith(f"{directory}/{step}/"))
+    assert mine == every[step][0::2] and len(every[step]) > 2

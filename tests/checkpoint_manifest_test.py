@@ -165,6 +165,88 @@ def test_the_structural_check_sees_local_only_calls():
   assert not _LOCAL_ONLY.search("with path.open('rb') as f:")
 
 
+# Verification shared between processes: each hashes its share.
+
+
+@pytest.fixture(name="hashed")
+def _hashed(monkeypatch):
+  """The files `manifest` hashes, in order (relative to their step)."""
+  seen, sha256 = [], manifest._sha256  # pylint: disable=protected-access
+
+  def counted(path):
+    seen.append(path)
+    return sha256(path)
+
+  monkeypatch.setattr(manifest, "_sha256", counted)
+  return seen
+
+
+def _rel(step_dir, hashed):
+  return [os.path.relpath(os.fspath(p), os.fspath(step_dir)) for p in hashed]
+
+
+def test_two_shares_hash_every_file_once(tmp_path, hashed):
+  step_dir = _make_step_dir(tmp_path)
+  manifest.write_manifest(step_dir)
+  hashed.clear()
+  assert manifest.verify_manifest(step_dir, share=(0, 2))
+  first = _rel(step_dir, hashed)
+  hashed.clear()
+  assert manifest.verify_manifest(step_dir, share=(1, 2))
+  second = _rel(step_dir, hashed)
+  assert first == ["a.bin", "state/m.json"]
+  assert second == ["state/d/x.bin", "z.txt"]
+  hashed.clear()
+  assert manifest.verify_manifest(step_dir)    # Alone: every file.
+  assert _rel(step_dir, hashed) == sorted(_FILES)
+
+
+# Every file that has other bytes of its size (not the empty z.txt).
+@pytest.mark.parametrize("index", range(len(_FILES) - 1))
+def test_a_changed_file_is_found_by_the_share_that_owns_it(tmp_path, index):
+  step_dir = _make_step_dir(tmp_path)
+  manifest.write_manifest(step_dir)
+  rel = sorted(_FILES)[index]
+  data = _FILES[rel]
+  (step_dir / rel).write_bytes(bytes([data[0] ^ 1]) + data[1:])
+  for share in range(2):
+    if share == index % 2:
+      with pytest.raises(manifest.CorruptCheckpointError,
+                         match=f"^{re.escape(rel)} does not match"):
+        manifest.verify_manifest(step_dir, share=(share, 2))
+    else:
+      assert manifest.verify_manifest(step_dir, share=(share, 2))
+
+
+@pytest.mark.parametrize("change,message", [
+    ("resize", "state/d/x.bin has 3 bytes, the manifest says 512"),
+    ("delete", "z.txt is missing"),
+    ("add", "state/new.bin is not in the manifest"),
+])
+def test_the_listing_and_sizes_are_checked_by_every_share(
+    tmp_path, hashed, change, message):
+  step_dir = _make_step_dir(tmp_path)
+  manifest.write_manifest(step_dir)
+  if change == "resize":
+    (step_dir / "state" / "d" / "x.bin").write_bytes(b"abc")
+  elif change == "delete":
+    (step_dir / "z.txt").unlink()
+  else:
+    (step_dir / "state" / "new.bin").write_bytes(b"new")
+  hashed.clear()
+  for share in range(3):
+    with pytest.raises(manifest.CorruptCheckpointError) as info:
+      manifest.verify_manifest(step_dir, share=(share, 3))
+    assert str(info.value) == message
+  assert not hashed                   # Found before any file is hashed.
+
+
+@pytest.mark.parametrize("share", [(2, 2), (-1, 2), (0, 0)])
+def test_a_share_out_of_range_is_refused(tmp_path, share):
+  with pytest.raises(ValueError, match="0 <= index < count"):
+    manifest.verify_manifest(_make_step_dir(tmp_path), share=share)
+
+
 def test_a_files_sha256_is_its_contents(tmp_path):
   """Read in chunks: one over a chunk's bytes."""
   path = epath.Path(tmp_path) / "big.bin"

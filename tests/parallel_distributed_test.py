@@ -477,3 +477,93 @@ def test_a_killed_process_stops_the_other_with_one_line(tmp_path):
               for i in range(2)]
   for out in _run_all(commands, env, str(tmp_path / "rerun"), 600):
     assert "Resuming from the checkpoint of step" in out, out[-3000:]
+
+
+# Two processes restore steps [1, 2] of a checkpoint whose step 2 has a
+# changed file in process 1's share: each hashes its share of the files,
+# both fall back to step 1. Prints the files it hashed, as JSON.
+_SHARED_VERIFY = """
+import json, os, sys
+from typing import Any, NamedTuple
+import kda_lm
+import jax
+address, index, directory = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(address, num_processes=2, process_id=index,
+                           initialization_timeout=60)
+import numpy as np
+from jax.experimental import multihost_utils
+from kda_lm.checkpoint import manager as manager_lib, manifest, paths
+
+
+class State(NamedTuple):
+  params: Any
+  step: Any
+
+
+mesh = jax.make_mesh((2,), ("data",))
+spec = jax.sharding.PartitionSpec
+split = jax.sharding.NamedSharding(mesh, spec("data"))
+whole = jax.sharding.NamedSharding(mesh, spec())
+
+
+def state(step):
+  w = np.arange(64, dtype=np.float32) + step
+  return State({"w": jax.make_array_from_callback((64,), split,
+                                                   lambda i: w[i])},
+               jax.make_array_from_callback((), whole,
+                                            lambda i: np.int32(step)))
+
+
+manager = manager_lib.CheckpointManager(directory, async_save=False)
+for step in (1, 2):
+  manager.save(step, state(step))
+manager.close()
+multihost_utils.sync_global_devices("saved")
+step_dir = os.path.join(directory, "2")
+files = sorted(rel for rel, _ in paths.files(step_dir)
+               if rel != manifest.MANIFEST_FILE)
+if index == 0:   # The last file of process 1's share: one byte changed.
+  target = files[1::2][-1]
+  with open(os.path.join(step_dir, target), "r+b") as f:
+    byte = f.read(1)
+    f.seek(0)
+    f.write(bytes([byte[0] ^ 1]))
+multihost_utils.sync_global_devices("corrupted")
+hashed, sha256 = [], manifest._sha256
+manifest._sha256 = lambda path: hashed.append(str(path)) or sha256(path)
+manager = manager_lib.CheckpointManager(directory)
+restored = manager.restore(State(
+    {"w": jax.ShapeDtypeStruct((64,), np.float32, sharding=split)},
+    jax.ShapeDtypeStruct((), np.int32, sharding=whole)))
+manager.close()
+print(json.dumps({"step": int(restored.step.addressable_data(0)),
+                  "files": files, "hashed": [
+                      os.path.relpath(p, step_dir) for p in hashed
+                      if p.startswith(step_dir + os.sep)]}))
+jax.distributed.shutdown()
+"""
+
+
+def test_two_processes_share_the_verification_and_fall_back(tmp_path):
+  """Each process hashes half of step 2's files (every file once in all);
+  process 1 finds the changed one and names it, process 0 names process 1,
+  and both restore step 1."""
+  address = f"127.0.0.1:{_free_port()}"
+  directory = str(tmp_path / "ckpt")
+  commands = [[sys.executable, "-c", _SHARED_VERIFY, address, str(i),
+               directory] for i in range(2)]
+  # About 20 s on 2 loaded cores; a process that skips the agreement
+  # leaves the other waiting in a collective until the timeout.
+  outputs = _run_all(commands, process_support.subprocess_env(),
+                     str(tmp_path / "logs"), timeout_s=120)
+  results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+  assert [r["step"] for r in results] == [1, 1], outputs
+  files = results[0]["files"]
+  assert [r["hashed"] for r in results] == [files[0::2], files[1::2]]
+  assert re.search(r"/2: it is unreadable or damaged \(CorruptCheckpointError"
+                   r": state/\S+ does not match its SHA-256", outputs[1]), (
+                       outputs[1][-3000:])
+  assert ("(CorruptCheckpointError: process 1 of 2 found a corrupt file "
+          "(its log names it))") in outputs[0], outputs[0][-3000:]
+  assert [n for n in os.listdir(directory) if n.startswith("unreadable-2-")]

@@ -16,10 +16,13 @@ The directory may be local or a URL such as `gs://bucket/run/checkpoints`:
 files are reached through `etils.epath`, as Orbax does (`paths.py`).
 
 Once a step is complete, its manifest (`manifest.py`: the size and SHA-256
-of every file of the step) is written beside it, in a background thread
-(hashing a large checkpoint takes minutes; the loop goes on), and a
-restore verifies it: a step whose bytes changed on disk is moved aside with
-one clear line, and the previous complete step is restored instead.
+of every file of the step) is written beside it by process 0, in a
+background thread (hashing a large checkpoint takes minutes; the loop goes
+on), and a restore verifies it: a step whose bytes changed on disk is moved
+aside with one clear line, and the previous complete step is restored
+instead. With several processes each hashes its share of the files (each
+file is read once in all) and they agree on the verdict: if one finds a bad
+file, every process falls back.
 
 Orbax writes a step into a temporary directory and renames it when every item
 is complete, so a process killed mid-save leaves a
@@ -53,6 +56,8 @@ from typing import Any, Callable
 from absl import logging
 from etils import epath
 import jax
+from jax.experimental import multihost_utils
+import numpy as np
 import orbax.checkpoint as ocp
 
 from kda_lm.checkpoint import compat, data_item, manifest, paths
@@ -131,6 +136,63 @@ def _write_manifest(step_dir: epath.Path) -> None:
   except FileNotFoundError:
     if step_dir.is_dir():
       raise
+
+
+class PeerCheckpointError(RuntimeError):
+  """Another process failed to verify or read a checkpoint."""
+
+
+# What a process reports of its attempt at a step (`_agreed`).
+_OK, _CORRUPT, _UNREADABLE = 0, 1, 2
+
+
+def _agreed(error: Exception | None) -> Exception | None:
+  """Every process's verdict on a step, once all have tried it.
+
+  With several processes this is a collective: all must call it.
+
+  Args:
+    error: what this process's attempt raised, or None.
+
+  Returns:
+    `error` if this process failed; else, if another one failed, an error
+    naming the first such process (its own log names the file or the
+    reason); else None.
+  """
+  count = jax.process_count()
+  if count == 1:
+    return error
+  if error is None:
+    code = _OK
+  elif isinstance(error, manifest.CorruptCheckpointError):
+    code = _CORRUPT
+  else:
+    code = _UNREADABLE
+  codes = np.asarray(multihost_utils.process_allgather(
+      np.array([code], np.int32))).reshape(-1)
+  failed = np.flatnonzero(codes)
+  if error is not None or not failed.size:
+    return error
+  peer = int(failed[0])
+  if codes[peer] == _CORRUPT:
+    return manifest.CorruptCheckpointError(
+        f"process {peer} of {count} found a corrupt file (its log names it)")
+  return PeerCheckpointError(
+      f"process {peer} of {count} failed (its log says why)")
+
+
+def _agreed_call(fn: Callable[..., Any], *args, **kwargs) -> Any:
+  """`fn(*args, **kwargs)`, called by every process (a collective when
+  there are several): its result, or in every process an error if it
+  raised in any (`_agreed`)."""
+  try:
+    result, error = fn(*args, **kwargs), None
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    result, error = None, e
+  error = _agreed(error)
+  if error is not None:
+    raise error
+  return result
 
 
 class CheckpointManager:
@@ -377,33 +439,40 @@ class CheckpointManager:
     return tree["params"]
 
   def _set_aside(self, step: int) -> None:
-    """Moves an unreadable step out of the way so it can be saved again."""
-    if jax.process_index() != 0:
-      return
-    source = self._root / str(step)
-    target = self._root / f"unreadable-{step}-{int(time.time())}"
-    try:
-      source.rename(target)
-      logging.warning("Moved the unreadable checkpoint to %s.", target)
-    except OSError as e:
-      logging.warning("Could not move the unreadable checkpoint %s: %s",
-                      source, e)
+    """Moves an unreadable step out of the way so it can be saved again:
+    process 0 moves it, then every process (all call this) reloads the
+    list of steps."""
+    if jax.process_index() == 0:
+      source = self._root / str(step)
+      target = self._root / f"unreadable-{step}-{int(time.time())}"
+      try:
+        source.rename(target)
+        logging.warning("Moved the unreadable checkpoint to %s.", target)
+      except OSError as e:
+        logging.warning("Could not move the unreadable checkpoint %s: %s",
+                        source, e)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"kda_lm: set aside {step}")
     self._manager.reload()
 
   def _verified_params(self, step: int) -> Any:
-    """The step's parameter metadata, once its files match its manifest."""
+    """The step's parameter metadata, once its files match its manifest:
+    each process hashes its share of the files, and none reads the step
+    if any found a bad one."""
     where = self._root / str(step)
-    if not manifest.verify_manifest(where):
+    share = (jax.process_index(), jax.process_count())
+    if not _agreed_call(manifest.verify_manifest, where, share=share):
       logging.warning("Checkpoint %s has no manifest (the process stopped "
                       "right after saving it): not verified.", where)
     return self._saved_params(step)
 
   def _attempt(self, strict: bool, candidate: int, what: str,
                fn: Callable[..., Any], *args, **kwargs) -> Any:
-    """`fn(*args, **kwargs)`; on an error (unless `strict`, which re-raises)
-    warns, sets the step aside and returns `_FAILED`."""
+    """`fn(*args, **kwargs)`, agreed between processes; on an error in any
+    process (unless `strict`, which raises it) warns, sets the step aside
+    and returns `_FAILED`, in every process."""
     try:
-      return fn(*args, **kwargs)
+      return _agreed_call(fn, *args, **kwargs)
     except Exception as e:  # pylint: disable=broad-exception-caught
       if strict:
         raise
@@ -421,7 +490,9 @@ class CheckpointManager:
 
     Complete steps are tried newest first; a step that cannot be read, or
     whose files do not match its manifest (a corrupt or truncated
-    checkpoint), is moved aside with a warning.
+    checkpoint), is moved aside with a warning. With several processes
+    each hashes its share of the step's files, and a step any of them finds
+    damaged is skipped by all.
 
     Args:
       abstract_state: the target's structure, e.g.

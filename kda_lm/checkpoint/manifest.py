@@ -5,7 +5,9 @@ newest save) and verified before a restore, so that bytes changed, a file
 lost or a file added after the save are named instead of read.
 
 Files are reached through `etils.epath`: a step may be a local directory or
-under a `gs://` URL.
+under a `gs://` URL. With several processes each hashes a share of the
+files (`verify_manifest(step_dir, share=(index, count))`), so that every
+file is read once in all; the manager combines their verdicts.
 """
 
 import hashlib
@@ -72,13 +74,17 @@ def _check_listing(expected: dict[str, dict], found: dict[str, epath.Path]
           f"{expected[rel]['bytes']}")
 
 
-def verify_manifest(step_dir: epath.PathLike) -> bool:
+def verify_manifest(step_dir: epath.PathLike,
+                    share: tuple[int, int] = (0, 1)) -> bool:
   """Checks a step's files against its manifest.
 
-  The file list and every size are checked before any checksum.
+  The file list and every size are checked whatever the share (cheap); the
+  checksums only of the files `sorted(files)[index::count]`.
 
   Args:
     step_dir: the step's directory (local, or a URL such as `gs://...`).
+    share: `(index, count)`: hash this share of the files; `(0, 1)`, the
+      default, hashes them all. Process `i` of `n` passes `(i, n)`.
 
   Returns:
     True if verified; False if the step has no manifest (a process stopped
@@ -86,8 +92,13 @@ def verify_manifest(step_dir: epath.PathLike) -> bool:
 
   Raises:
     CorruptCheckpointError: a file is missing, extra, or differs in size or
-      checksum; the message names the first such file.
+      (in this share) checksum; the message names the first such file.
+    ValueError: `share` is not `(index, count)` with `0 <= index < count`.
   """
+  index, count = share
+  if not 0 <= index < count:
+    raise ValueError(f"share must be (index, count) with 0 <= index < "
+                     f"count, got {share}")
   step_dir = epath.Path(step_dir)
   path = step_dir / MANIFEST_FILE
   if not path.exists():
@@ -95,7 +106,7 @@ def verify_manifest(step_dir: epath.PathLike) -> bool:
   expected = json.loads(path.read_text())["files"]
   found = _step_files(step_dir)
   _check_listing(expected, found)
-  for rel in sorted(expected):
+  for rel in sorted(expected)[index::count]:
     if _sha256(found[rel]) != expected[rel]["sha256"]:
       raise CorruptCheckpointError(
           f"{rel} does not match its SHA-256 in the manifest (its bytes "
