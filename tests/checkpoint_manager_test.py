@@ -496,6 +496,25 @@ def test_failed_wait_names_path_and_os_reason(tmp_path, monkeypatch):
   manager.close()
 
 
+def test_a_save_failed_by_a_lost_process_does_not_wait_for_its_writes(
+    tmp_path, monkeypatch):
+  """A save that fails because another process is gone raises at once
+  (the job's heartbeat timeout would abort this process meanwhile); any
+  other failure first waits for Orbax's writes to settle."""
+  manager = manager_lib.CheckpointManager(str(tmp_path / "ckpt"))
+  waits = []
+  monkeypatch.setattr(manager, "_discard_partial", lambda: waits.append(1))
+  monkeypatch.setattr(manager_lib.distributed, "lost_peer",
+                      lambda error: "heartbeat" in str(error))
+  for reason, waited in (("peer stopped sending heartbeats", []),
+                         ("No space left on device", [1])):
+    manager._failed = None
+    error = manager._fail(1, OSError(reason))
+    assert reason in str(error) and waits == waited, (reason, waits)
+  manager._failed = None
+  manager.close()
+
+
 def test_step_without_manifest_restores_with_a_warning(tmp_path, caplog):
   directory = str(tmp_path / "ckpt")
   save_steps(directory, [1, 2])

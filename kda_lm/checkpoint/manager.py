@@ -61,6 +61,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from kda_lm.checkpoint import compat, data_item, manifest, paths
+from kda_lm.parallel import distributed
 
 STATE_ITEM = "state"
 DATA_ITEM = "data"
@@ -345,9 +346,15 @@ class CheckpointManager:
             ) -> CheckpointSaveError:
     """Records a failed save: its partial directory is removed once the
     writes Orbax had in flight are over, and `close` will not wait on it
-    again. Returns the error to raise."""
+    again. Returns the error to raise.
+
+    When another process is gone (`distributed.lost_peer`) nothing waits:
+    the loop must stop before the job's heartbeat timeout aborts this
+    process, and the next run removes the partial directory.
+    """
     if self._failed is None:
-      self._discard_partial()
+      if not distributed.lost_peer(error):
+        self._discard_partial()
       self._failed = self._save_error(step, error)
       self._saving = None
     return self._failed
