@@ -196,26 +196,6 @@ def test_mesh_axis_the_model_cannot_shard():
     _apply_under(mesh, 4)
 
 
-def test_batch_checked_against_the_mesh_before_tracing():
-  mesh = abstract_mesh(2, 2, 1)
-  sharding.check_batch_shape(mesh, 8, 128)
-  with pytest.raises(ValueError, match="config.data.batch_size 6 is not a "
-                     "multiple of the 4 data x fsdp x expert devices"):
-    sharding.check_batch_shape(mesh, 6, 128)
-  with pytest.raises(ValueError, match="config.data.seq_len 100 is not a "
-                     "multiple of config.mesh.context = 8"):
-    sharding.check_batch_shape(abstract_mesh(1, 1, 8), 4, 100)
-  with pytest.raises(ValueError, match="batch_size 4 is not a multiple of "
-                     "the 8 data x fsdp x expert devices"):
-    sharding.check_batch_shape(abstract_mesh(2, 1, 1, 4), 4, 128)
-  sharding.check_batch_shape(abstract_mesh(1, 1, 4), 4, 128, loss_chunks=8)
-  with pytest.raises(ValueError, match="seq_len 128 is not a multiple of "
-                     "config.train.loss_chunks = 64 times "
-                     "config.mesh.context = 4"):
-    sharding.check_batch_shape(abstract_mesh(1, 1, 4), 4, 128,
-                               loss_chunks=64)
-
-
 def test_experts_that_do_not_divide_over_the_expert_axis():
   """E = 8 over expert = 3: refused when the layer is traced (and before,
   by `check_expert_axis`, see parallel_sharding_test.py)."""

@@ -43,9 +43,9 @@ def test_make_mesh_sizes_and_errors():
       sharding.make_mesh(ml_collections.ConfigDict(dict(data=-1, **bad)))
 
 
-def _abstract_mesh(fsdp, expert, context=1):
+def _abstract_mesh(fsdp, expert, context=1, data=1):
   return jax.sharding.AbstractMesh(
-      (1, fsdp, expert, context), sharding.AXES,
+      (data, fsdp, expert, context), sharding.AXES,
       axis_types=(jax.sharding.AxisType.Auto,) * 4)
 
 
@@ -121,3 +121,56 @@ def test_check_expert_axis():
     sharding.check_expert_axis(3, 8)
   with pytest.raises(ValueError, match="the model has none"):
     sharding.check_expert_axis(2, 0)
+
+
+def _mesh_config(**sizes):
+  return ml_collections.ConfigDict(sizes)
+
+
+def test_mesh_shape_fills_data_with_the_devices_left():
+  shape = sharding.mesh_shape
+  assert shape(_mesh_config(data=-1, fsdp=2, expert=3, context=5), 60) == (
+      2, 2, 3, 5)
+  assert shape(_mesh_config(data=-1, fsdp=4), 8) == (2, 4, 1, 1)
+  assert shape(_mesh_config(data=4, fsdp=2), 8) == (4, 2, 1, 1)
+  assert shape(_mesh_config(data=1, fsdp=1, expert=2, context=4), 8) == (
+      1, 1, 2, 4)
+  for sizes, n in ((dict(data=3, fsdp=2), 8), (dict(data=-1, fsdp=3), 8),
+                   (dict(data=2, fsdp=2, context=3), 8)):
+    with pytest.raises(ValueError, match=f"does not match the {n} devices"):
+      shape(_mesh_config(**sizes), n)
+  for sizes in (dict(data=0, fsdp=1), dict(data=-2, fsdp=1),
+                dict(data=-1, fsdp=1, expert=0)):
+    with pytest.raises(ValueError, match="must be >= 1"):
+      shape(_mesh_config(**sizes), 8)
+
+
+def test_batch_checked_against_the_mesh_before_tracing():
+  """Rows over data x fsdp x expert (times the micro-batches), tokens over
+  context, each row's loss pieces over context: multiples pass, anything
+  else is refused naming the numbers."""
+  check = sharding.check_batch_shape
+  rows = _abstract_mesh(fsdp=2, expert=2, data=2)   # 8 row devices
+  for batch_size, micro_batches in ((8, 1), (16, 2), (24, 3), (40, 5)):
+    check(rows, batch_size, 128, micro_batches=micro_batches)
+  with pytest.raises(ValueError, match="config.data.batch_size 12 is not a "
+                     "multiple of the 8 data x fsdp x expert devices "
+                     r"\(config.mesh\)\.$"):
+    check(rows, 12, 128)
+  for batch_size in (8, 20):
+    with pytest.raises(ValueError, match=f"batch_size {batch_size} is not a "
+                       "multiple of the 8 data x fsdp x expert devices "
+                       r"\(config.mesh\) times the 2 micro-batches"):
+      check(rows, batch_size, 128, micro_batches=2)
+  tokens = _abstract_mesh(fsdp=1, expert=1, context=4)
+  check(tokens, 4, 128)
+  check(tokens, 4, 128, loss_chunks=8)
+  check(tokens, 4, 96, loss_chunks=3)
+  with pytest.raises(ValueError, match="config.data.seq_len 18 is not a "
+                     "multiple of config.mesh.context = 4"):
+    check(tokens, 4, 18)
+  for seq_len, loss_chunks in ((128, 64), (136, 4)):
+    with pytest.raises(ValueError, match=f"seq_len {seq_len} is not a "
+                       f"multiple of config.train.loss_chunks = "
+                       f"{loss_chunks} times config.mesh.context = 4"):
+      check(tokens, 4, seq_len, loss_chunks=loss_chunks)

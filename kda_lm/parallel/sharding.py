@@ -31,24 +31,21 @@ ROW_AXES = (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS)
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
 
-def make_mesh(mesh_config: Any, devices: list[Any] | None = None
-              ) -> jax.sharding.Mesh:
-  """A (`data`, `fsdp`, `expert`, `context`) mesh over all devices.
+def mesh_shape(mesh_config: Any, num_devices: int
+               ) -> tuple[int, int, int, int]:
+  """The (`data`, `fsdp`, `expert`, `context`) sizes of `config.mesh` over
+  `num_devices` devices.
 
   Args:
     mesh_config: `config.mesh` (ConfigDict or `kda_lm.config.MeshConfig`);
       `data = -1` takes the devices `fsdp`, `expert` and `context` leave; a
       config without `expert` or `context` means 1.
-    devices: default `jax.devices()` (all processes).
-
-  Returns:
-    The mesh.
+    num_devices: the devices of the mesh.
 
   Raises:
-    ValueError: an axis size below 1, or sizes that do not multiply to the
-      device count.
+    ValueError: an axis size below 1, or sizes that do not multiply to
+      `num_devices`.
   """
-  devices = list(jax.devices() if devices is None else devices)
   fsdp = int(mesh_config.fsdp)
   data = int(mesh_config.data)
   expert = int(getattr(mesh_config, "expert", 1))
@@ -58,13 +55,29 @@ def make_mesh(mesh_config: Any, devices: list[Any] | None = None
                      f"and config.mesh.data >= 1 or -1, got {fsdp}, "
                      f"{expert}, {context}, {data}.")
   if data == -1:
-    data = len(devices) // (fsdp * expert * context)
-  if data * fsdp * expert * context != len(devices):
+    data = num_devices // (fsdp * expert * context)
+  if data * fsdp * expert * context != num_devices:
     raise ValueError(f"config.mesh data={data} x fsdp={fsdp} x "
                      f"expert={expert} x context={context} does not match "
-                     f"the {len(devices)} devices.")
+                     f"the {num_devices} devices.")
+  return data, fsdp, expert, context
+
+
+def make_mesh(mesh_config: Any, devices: list[Any] | None = None
+              ) -> jax.sharding.Mesh:
+  """A (`data`, `fsdp`, `expert`, `context`) mesh over all devices, of
+  `mesh_shape(mesh_config, len(devices))`.
+
+  Args:
+    mesh_config: `config.mesh` (see `mesh_shape`).
+    devices: default `jax.devices()` (all processes).
+
+  Raises:
+    ValueError: as `mesh_shape`.
+  """
+  devices = list(jax.devices() if devices is None else devices)
   auto = jax.sharding.AxisType.Auto
-  return jax.make_mesh((data, fsdp, expert, context), AXES,
+  return jax.make_mesh(mesh_shape(mesh_config, len(devices)), AXES,
                        axis_types=(auto,) * len(AXES), devices=devices)
 
 
