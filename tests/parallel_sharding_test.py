@@ -1,5 +1,7 @@
 """Tests of kda_lm/parallel/sharding.py: the mesh and the FSDP shardings."""
 
+import collections
+
 import jax
 import ml_collections
 import numpy as np
@@ -135,6 +137,7 @@ def test_mesh_shape_fills_data_with_the_devices_left():
   assert shape(_mesh_config(data=4, fsdp=2), 8) == (4, 2, 1, 1)
   assert shape(_mesh_config(data=1, fsdp=1, expert=2, context=4), 8) == (
       1, 1, 2, 4)
+  assert shape(_mesh_config(data=-1, fsdp=2), 1024) == (512, 2, 1, 1)
   for sizes, n in ((dict(data=3, fsdp=2), 8), (dict(data=-1, fsdp=3), 8),
                    (dict(data=2, fsdp=2, context=3), 8)):
     with pytest.raises(ValueError, match=f"does not match the {n} devices"):
@@ -164,8 +167,10 @@ def test_batch_checked_against_the_mesh_before_tracing():
       check(rows, batch_size, 128, micro_batches=2)
   tokens = _abstract_mesh(fsdp=1, expert=1, context=4)
   check(tokens, 4, 128)
+  check(tokens, 4, 12)                 # One loss piece by default.
   check(tokens, 4, 128, loss_chunks=8)
   check(tokens, 4, 96, loss_chunks=3)
+  check(tokens, 4, 24, loss_chunks=3)
   with pytest.raises(ValueError, match="config.data.seq_len 18 is not a "
                      "multiple of config.mesh.context = 4"):
     check(tokens, 4, 18)
@@ -174,3 +179,50 @@ def test_batch_checked_against_the_mesh_before_tracing():
                        f"multiple of config.train.loss_chunks = "
                        f"{loss_chunks} times config.mesh.context = 4"):
       check(tokens, 4, seq_len, loss_chunks=loss_chunks)
+
+
+def _keys(*names):
+  return tuple(jax.tree_util.DictKey(name) for name in names)
+
+
+def test_routed_expert_weights_are_named_by_their_module_and_rank():
+  """A `gate_proj`, `up_proj` or `down_proj` array of rank >= 3 directly
+  in a module whose last name part is `moe`; nothing else."""
+  is_expert = sharding.is_expert_weight
+  assert is_expert(_keys("layer_1/moe", "gate_proj"), (8, 4, 6))
+  assert is_expert(_keys("group/layer_1/moe", "down_proj"), (2, 8, 6, 4))
+  assert not is_expert(_keys("layer_1/moe", "gate_proj"), (4, 6))
+  assert not is_expert(_keys("gate_proj"), (8, 4, 6))
+  for module in ("layer_1/shared", "layer_1/mlp", "moe/layer_1"):
+    assert not is_expert(_keys(module, "up_proj"), (8, 4, 6)), module
+
+
+def test_meshes_without_some_axes_and_stacked_named_tuples():
+  """A mesh lacking `expert` (or `context`) counts it as 1; a NamedTuple
+  state's stacked leaves keep their leading axis whole; an expert weight
+  on an expert-only mesh shards E alone."""
+  P = jax.sharding.PartitionSpec
+  two_axes = jax.sharding.AbstractMesh(
+      (2, 2), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  assert sharding.row_devices(two_axes) == 4
+  state = collections.namedtuple("State", "params step")(
+      {"stack/layer/moe": {"gate_proj": jax.ShapeDtypeStruct((8, 4, 6, 2),
+                                                            np.float32)},
+       "layer_1/moe": {"up_proj": jax.ShapeDtypeStruct((8, 3, 5),
+                                                       np.float32)}},
+      jax.ShapeDtypeStruct((), np.int32))
+  specs = jax.tree.map(lambda s: s.spec, sharding.state_shardings(
+      state, two_axes, stacked_prefix="stack/"))
+  assert specs.params["stack/layer/moe"]["gate_proj"] == P(
+      None, None, "fsdp", None)
+  assert specs.params["layer_1/moe"]["up_proj"] == P("fsdp", None, None)
+  assert specs.step == P()
+  specs = jax.tree.map(lambda s: s.spec, sharding.state_shardings(
+      state, _abstract_mesh(fsdp=1, expert=2)))
+  assert specs.params["layer_1/moe"]["up_proj"] == P("expert", None, None)
+  # E over expert; the largest other dimension, the leading one unless
+  # it is skipped, over fsdp.
+  assert sharding.expert_leaf_spec((6, 8, 4, 2), 2, 2) == P(
+      "fsdp", "expert", None, None)
+  assert sharding.expert_leaf_spec((6, 8, 4, 2), 2, 2, skip=1) == P(
+      None, "expert", "fsdp", None)
