@@ -118,6 +118,7 @@ def test_state_splits_over_fsdp_expert_and_context():
 def test_check_expert_axis():
   sharding.check_expert_axis(1, 0)
   sharding.check_expert_axis(4, 8)
+  sharding.check_expert_axis(2, 8)
   with pytest.raises(ValueError, match="num_experts = 8 is not a multiple "
                      "of config.mesh.expert = 3"):
     sharding.check_expert_axis(3, 8)
@@ -208,7 +209,7 @@ def test_meshes_without_some_axes_and_stacked_named_tuples():
   state = collections.namedtuple("State", "params step")(
       {"stack/layer/moe": {"gate_proj": jax.ShapeDtypeStruct((8, 4, 6, 2),
                                                             np.float32)},
-       "layer_1/moe": {"up_proj": jax.ShapeDtypeStruct((8, 3, 5),
+       "layer_1/moe": {"up_proj": jax.ShapeDtypeStruct((8, 4, 6),
                                                        np.float32)}},
       jax.ShapeDtypeStruct((), np.int32))
   specs = jax.tree.map(lambda s: s.spec, sharding.state_shardings(
