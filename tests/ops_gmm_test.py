@@ -95,6 +95,13 @@ def test_work_items_cover_each_group_once():
       covered[rows[(rows >= starts[g]) & (rows < ends[g])]] += 1
   assert covered[:64].tolist() == [1] * 64
   assert len(tile) == M // tm + len(sizes) - 1
+  # Exactly the (tile, group) pairs that share rows, in row order: none
+  # for an empty group (group 1 starts mid-tile) nor past a group that
+  # ends on a tile boundary (group 4 ends at row 32).
+  expected = [(t, g) for g, (s, e) in enumerate(zip(starts, ends, strict=True))
+              if e > s for t in range(s // tm, (e - 1) // tm + 1)]
+  assert [(int(t), int(g)) for t, g, ok in zip(tile, group, valid,
+                                               strict=True) if ok] == expected
 
 
 @pytest.mark.parametrize("args, match", [
