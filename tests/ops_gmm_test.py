@@ -6,6 +6,8 @@ both gradients within 1e-6 relative, on groups that are empty, that hold
 every row, that end inside a tile, and with rows past the last group.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,9 +85,26 @@ def test_xla_costs_the_rows_not_the_groups():
   assert dense[1] >= 8 * dense[0], dense
 
 
-def test_work_items_cover_each_group_once():
-  sizes = jnp.asarray([5, 0, 17, 1, 9, 0, 32], jnp.int32)
-  tm, M = 8, 64
+def test_loops_are_bounded_by_the_padded_rows_tiles_and_groups():
+  """Each loop of the XLA path (forward, both gradients) declares its
+  largest trip count, tiles of the rows padded to `tm` plus G - 1, in its
+  name scope, which the FLOP count of a compiled step reads."""
+  M, K, N, G, tm = 20, 4, 6, 3, 8        # 3 tiles of 8 rows: 5 items.
+  args = (jax.ShapeDtypeStruct((M, K), jnp.float32),
+          jax.ShapeDtypeStruct((G, K, N), jnp.float32),
+          jax.ShapeDtypeStruct((G,), jnp.int32))
+  loss = lambda a, b, c: jnp.sum(gmm.gmm(a, b, c, impl="xla", tile_m=tm))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).as_text(
+      debug_info=True)
+  bounds = re.findall(gmm.MAX_TRIPS_SCOPE.format(r"(\d+)"), text)
+  assert bounds and set(bounds) == {"5"}, sorted(set(bounds))
+
+
+@pytest.mark.parametrize("sizes, tm", [([5, 0, 17, 1, 9, 0, 32], 8),
+                                       ([9, 30, 7, 18], 8)])
+def test_work_items_cover_each_group_once(sizes, tm):
+  M = 64
+  sizes = jnp.asarray(sizes, jnp.int32)
   items = gmm._work_items(sizes, M // tm, tm)  # pylint: disable=W0212
   tile, group, valid, starts, ends = (np.asarray(a) for a in items)
   covered = np.zeros(M, int)
@@ -93,7 +112,7 @@ def test_work_items_cover_each_group_once():
     if ok:
       rows = np.arange(t * tm, t * tm + tm)
       covered[rows[(rows >= starts[g]) & (rows < ends[g])]] += 1
-  assert covered[:64].tolist() == [1] * 64
+  assert covered[:M].tolist() == [1] * M
   assert len(tile) == M // tm + len(sizes) - 1
   # Exactly the (tile, group) pairs that share rows, in row order: none
   # for an empty group (group 1 starts mid-tile) nor past a group that
