@@ -35,6 +35,7 @@ CASES = {
     "one_group": ([0, 0, 40, 0], None, 16),          # every row in one
     "past_groups": ([3, 4, 5], 20, 8),               # 8 rows past them
     "single_tile": ([2, 3, 1], None, None),          # default tile
+    "odd_tile": ([7, 20, 5], None, 12),              # tm not a power of 2
 }
 
 
@@ -89,21 +90,23 @@ def test_loops_are_bounded_by_the_padded_rows_tiles_and_groups():
   """Each loop of the XLA path (forward, both gradients) declares its
   largest trip count, tiles of the rows padded to `tm` plus G - 1, in its
   name scope, which the FLOP count of a compiled step reads."""
-  M, K, N, G, tm = 20, 4, 6, 3, 8        # 3 tiles of 8 rows: 5 items.
-  args = (jax.ShapeDtypeStruct((M, K), jnp.float32),
-          jax.ShapeDtypeStruct((G, K, N), jnp.float32),
-          jax.ShapeDtypeStruct((G,), jnp.int32))
-  loss = lambda a, b, c: jnp.sum(gmm.gmm(a, b, c, impl="xla", tile_m=tm))
-  text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).as_text(
-      debug_info=True)
-  bounds = re.findall(gmm.MAX_TRIPS_SCOPE.format(r"(\d+)"), text)
-  assert bounds and set(bounds) == {"5"}, sorted(set(bounds))
+  K, N, G, tm = 4, 6, 3, 8
+  for M in (20, 24):                    # 3 tiles of 8 rows: 5 items.
+    args = (jax.ShapeDtypeStruct((M, K), jnp.float32),
+            jax.ShapeDtypeStruct((G, K, N), jnp.float32),
+            jax.ShapeDtypeStruct((G,), jnp.int32))
+    loss = lambda a, b, c: jnp.sum(gmm.gmm(a, b, c, impl="xla", tile_m=tm))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).as_text(
+        debug_info=True)
+    bounds = re.findall(gmm.MAX_TRIPS_SCOPE.format(r"(\d+)"), text)
+    assert bounds and set(bounds) == {"5"}, (M, sorted(set(bounds)))
 
 
 @pytest.mark.parametrize("sizes, tm", [([5, 0, 17, 1, 9, 0, 32], 8),
-                                       ([9, 30, 7, 18], 8)])
+                                       ([9, 30, 7, 18], 8),
+                                       ([7, 20, 5, 28], 12)])
 def test_work_items_cover_each_group_once(sizes, tm):
-  M = 64
+  M = sum(sizes)                         # A multiple of tm.
   sizes = jnp.asarray(sizes, jnp.int32)
   items = gmm._work_items(sizes, M // tm, tm)  # pylint: disable=W0212
   tile, group, valid, starts, ends = (np.asarray(a) for a in items)
