@@ -124,6 +124,14 @@ def test_work_items_cover_each_group_once(sizes, tm):
               if e > s for t in range(s // tm, (e - 1) // tm + 1)]
   assert [(int(t), int(g)) for t, g, ok in zip(tile, group, valid,
                                                strict=True) if ok] == expected
+  assert int(gmm._item_count(items)) == len(expected)  # pylint: disable=W0212
+  # Each item's tile keeps exactly its group's rows (row r holds r + 1).
+  x = jnp.arange(1, M + 1, dtype=jnp.float32)[:, None]
+  for i, (t, g) in enumerate(expected):
+    x_t, _, r0 = gmm._tile_rows(x, items, i, tm)  # pylint: disable=W0212
+    kept = [int(v) - 1 for v in np.asarray(x_t)[:, 0] if v]
+    assert int(r0) == t * tm and kept == [
+        r for r in range(t * tm, t * tm + tm) if starts[g] <= r < ends[g]]
 
 
 @pytest.mark.parametrize("args, match", [
