@@ -746,18 +746,11 @@ def test_a_corrupt_file_found_by_another_process_skips_the_step(
   # (failed everywhere); step 1: the check, the attempt, the read.
   verdicts = [[1], [1], [0], [0], [0]]
   barriers = _peers(monkeypatch, 0, 2, verdicts)
-  manager = manager_lib.CheckpointManager(directory)
-  iterator = FakeIterator()
-  with caplog.at_level(logging.WARNING):
-    restored = manager.restore(abstract(), iterator)
-  manager.close()
-  assert_trees_equal(restored, make_state(step=1, seed=1))
-  assert iterator.position == 1
+  _assert_restores_step_1_and_sets_2_aside(directory, caplog)
   assert (f"{directory}/2: it is unreadable or damaged "
           "(CorruptCheckpointError: process 1 of 2 found a corrupt file "
           "(its log names it)).") in caplog.text
   assert barriers == ["kda_lm: set aside 2"] and not verdicts
-  assert any(n.startswith("unreadable-2-") for n in os.listdir(directory))
   for step in (1, 2):   # Process 0's half of each step's files, no more.
     mine = sorted(os.path.relpath(p, f"{directory}/{step}") for p in hashed
                   if os.fspath(p).startswith(f"{directory}/{step}/"))

@@ -194,7 +194,7 @@ def test_routed_expert_weights_are_named_by_their_module_and_rank():
   assert is_expert(_keys("group/layer_1/moe", "down_proj"), (2, 8, 6, 4))
   assert not is_expert(_keys("layer_1/moe", "gate_proj"), (4, 6))
   assert not is_expert(_keys("gate_proj"), (8, 4, 6))
-  for module in ("layer_1/shared", "layer_1/mlp", "moe/layer_1"):
+  for module in ("layer_1/router", "layer_1/mlp", "moe/layer_1"):
     assert not is_expert(_keys(module, "up_proj"), (8, 4, 6)), module
 
 
