@@ -305,7 +305,7 @@ class _Run:
     if self.ahead is not None:
       mark = time.time()
       self.compiled_ahead = self.ahead.wait()
-      self.ahead = None
+      self.ahead, self.lowered = None, {}   # The programs are kept by JAX.
       self.first_step_parts.append(("compilation after the state",
                                     time.time() - mark))
 
