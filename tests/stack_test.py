@@ -70,7 +70,8 @@ def _batch(seed, B=2, T=24):
 @functools.lru_cache(maxsize=None)
 def _params():
   tokens, seg = _batch(0)
-  return model.build(UNSCANNED).init(jax.random.key(1), tokens, seg)
+  init = jax.jit(model.build(UNSCANNED).init)
+  return init(jax.random.key(1), tokens, seg)
 
 
 def test_layouts_round_trip_bit_exactly():
@@ -83,9 +84,9 @@ def test_layouts_round_trip_bit_exactly():
       jax.tree.map(lambda a: (a.shape, a.dtype), want))
   assert scanned["scanned/slot_0/kda/q_proj"]["w"].shape[0] == 3
   # The scanned model starts from the same parameters.
+  init = jax.jit(model.build(SCANNED).init)
   jax.tree.map(np.testing.assert_array_equal,
-               model.build(SCANNED).init(jax.random.key(1), tokens, seg),
-               scanned)
+               init(jax.random.key(1), tokens, seg), scanned)
   back = stack.to_unscanned(scanned, SCANNED)
   jax.tree.map(np.testing.assert_array_equal, back, params)
   assert stack.to_layout(params, SCANNED).keys() == scanned.keys()

@@ -336,23 +336,6 @@ def test_four_devices_match_one(tmp_path, data_dir, cache_dir):
                                rtol=2e-5, err_msg=workdir)
 
 
-def test_ten_steps_on_each_mesh_match_one_device(tmp_path, data_dir,
-                                                 cache_dir):
-  """10 steps with fsdp=4, data=4 and data=2 x fsdp=2 (KDA and the MoE
-  dispatch inside shard_map on each) reproduce the one-device losses."""
-  common = dict(train__num_steps=10, eval__every_steps=0,
-                checkpoint__every_steps=10)
-  one = str(tmp_path / "one")
-  train_loop.train_and_evaluate(tiny_config(data_dir, **common), one)
-  runs = [(1, 4, 1), (4, 1, 1), (2, 2, 1)]
-  runs = [(mesh, 10, str(tmp_path / f"mesh_{i}"))
-          for i, mesh in enumerate(runs)]
-  _run_four_devices(_config_file(tmp_path, data_dir, **common), runs,
-                    cache_dir)
-  for _, _, workdir in runs:
-    _assert_same_rows(workdir, helpers.train_rows(one), list(range(1, 11)))
-
-
 def test_expert_parallel_runs_match_one_device(tmp_path, data_dir,
                                                cache_dir):
   """10 steps with the routed experts split over expert=4 (steps 1-5),
