@@ -47,7 +47,7 @@ from configs import ling3_tiny
 from kda_lm import config as config_lib
 from kda_lm import flops
 from kda_lm import model as model_lib
-from kda_lm.checkpoint import state as state_lib
+from kda_lm.train import state as state_lib
 
 SIZES = ("tiny", "flash")
 

@@ -21,7 +21,7 @@ from configs import ling3
 import kda_lm  # noqa: F401  (XLA:CPU flags)
 from kda_lm import model as model_lib
 from kda_lm import optimizer
-from kda_lm.checkpoint import state as state_lib
+from kda_lm.train import state as state_lib
 from kda_lm.train import step as step_lib
 
 _LAYERS = flags.DEFINE_list("layers", ["8", "24"], "Depths to compile.")

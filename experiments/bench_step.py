@@ -49,8 +49,8 @@ from experiments import compile_mesh
 from kda_lm import config as config_lib
 from kda_lm import flops, losses, optimizer
 from kda_lm import model as model_lib
-from kda_lm.checkpoint import state as state_lib
 from kda_lm.layers import block, norm
+from kda_lm.train import state as state_lib
 from kda_lm.train import step as step_lib
 from testbed import profile_summary, timing
 

@@ -358,7 +358,7 @@ def check_train_step(target):
   # pylint: disable=g-import-not-at-top
   from kda_lm import model as model_lib
   from kda_lm import optimizer
-  from kda_lm.checkpoint import state as state_lib
+  from kda_lm.train import state as state_lib
   from kda_lm.train import step as step_lib
   config = ling3_tiny.get_config()
   mesh = _mesh(target)

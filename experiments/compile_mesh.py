@@ -58,8 +58,8 @@ from configs import kimi_linear, ling3  # noqa: E402
 import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
 from kda_lm import flops, optimizer  # noqa: E402
 from kda_lm import model as model_lib  # noqa: E402
-from kda_lm.checkpoint import state as state_lib
 from kda_lm.parallel import sharding
+from kda_lm.train import state as state_lib
 from kda_lm.train import step as step_lib
 from testbed import compile_report, hlo_flops
 

@@ -32,8 +32,8 @@ from configs import ling3_tiny
 from data import tokenizer as tokenizer_lib
 from kda_lm import config as config_lib
 from kda_lm import hf, model
-from kda_lm.checkpoint import state as state_lib
 from kda_lm.hf import workdir as hf_workdir
+from kda_lm.train import state as state_lib
 from testbed import corpora
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "tests", "testdata",

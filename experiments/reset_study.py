@@ -43,8 +43,8 @@ from data import packing, pipeline
 from kda_lm import config as config_lib
 from kda_lm import model as model_lib
 from kda_lm import optimizer
-from kda_lm.checkpoint import state as state_lib
 from kda_lm.infer import evaluate
+from kda_lm.train import state as state_lib
 from kda_lm.train import step as step_lib
 
 _STEPS = flags.DEFINE_integer("steps", 160, "Training steps per run.")

@@ -19,6 +19,9 @@ RANKS = {
     "kda_lm.model": 5, "kda_lm.losses": 5, "kda_lm.optimizer": 5,
     "kda_lm.flops": 5.5,
     "kda_lm.checkpoint": 7,
+    # The train state and its builder: the one module of the training
+    # room that inference and the Hugging Face import may import.
+    "kda_lm.train.state": 7.5,
     "kda_lm.train": 8, "kda_lm.infer": 8, "kda_lm.hf": 8,
     "testbed": 9,
 }
@@ -147,6 +150,26 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
       "(kda_lm.layers -> testbed)",
       "testbed.fake imports configs.ling3_tiny (above every room)",
       "testbed.fake imports helpers (above every room)"]
+
+
+def test_the_train_state_is_a_room_of_its_own(tmp_path, monkeypatch):
+  """Inference and the Hugging Face import reach the training room only
+  through its state module, which imports nothing of that room."""
+  assert room("kda_lm.train.state") == "kda_lm.train.state"
+  assert room("kda_lm.train.loop") == "kda_lm.train"
+  fake = tmp_path / "m.py"
+  fake.write_text("from kda_lm.train import state\n"
+                  "from kda_lm.train import step\n")
+  monkeypatch.setitem(globals(), "package_modules", lambda: iter(
+      [("kda_lm.infer.fake", str(fake)), ("kda_lm.hf.fake", str(fake)),
+       ("kda_lm.train.state", str(fake))]))
+  assert violations() == [
+      "kda_lm.infer.fake imports kda_lm.train.step "
+      "(kda_lm.infer -> kda_lm.train)",
+      "kda_lm.hf.fake imports kda_lm.train.step "
+      "(kda_lm.hf -> kda_lm.train)",
+      "kda_lm.train.state imports kda_lm.train.step "
+      "(kda_lm.train.state -> kda_lm.train)"]
 
 
 def test_modules_and_functions_read_at_once():

@@ -13,7 +13,8 @@ import ml_collections
 import pytest
 
 from kda_lm import config as config_lib
-from kda_lm.checkpoint import state, workdir
+from kda_lm.checkpoint import workdir
+from kda_lm.train import state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

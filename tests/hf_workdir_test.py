@@ -20,12 +20,12 @@ from data import tokenizer as tokenizer_lib
 from kda_lm import config as config_lib
 from kda_lm import hf
 from kda_lm.checkpoint import manager as manager_lib
-from kda_lm.checkpoint import state as state_lib
 from kda_lm.checkpoint import workdir as workdir_lib
 from kda_lm.hf import workdir as hf_workdir
 from kda_lm.infer import decoding, generate
 from kda_lm.parallel import sharding
 from kda_lm.train import loop as train_loop
+from kda_lm.train import state as state_lib
 from testbed import corpora
 
 FIXTURE = os.path.join(process_support.REPO, "tests", "testdata", "hf",

@@ -1,5 +1,5 @@
 """Tests of kda_lm.infer.evaluate (per document vs packed) and of loading
-a run (kda_lm.checkpoint.state.load_run)."""
+a run (kda_lm.train.state.load_run)."""
 
 import json
 import os
@@ -13,8 +13,8 @@ import pytest
 from configs import ling3_tiny
 from data import tokenizer as tokenizer_lib
 from kda_lm import model as model_lib
-from kda_lm.checkpoint import state as state_lib
 from kda_lm.infer import evaluate
+from kda_lm.train import state as state_lib
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 

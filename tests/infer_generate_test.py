@@ -23,8 +23,8 @@ import tokenizers
 from configs import ling3_tiny
 from data import tokenizer as tokenizer_lib
 from kda_lm import model as model_lib
-from kda_lm.checkpoint import state as state_lib
 from kda_lm.infer import generate
+from kda_lm.train import state as state_lib
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 

@@ -11,8 +11,8 @@ import optax
 import pytest
 
 from kda_lm import config, losses, model
-from kda_lm.checkpoint import state as state_lib
 from kda_lm.layers import moe, mtp
+from kda_lm.train import state as state_lib
 from kda_lm.train import step as step_lib
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).

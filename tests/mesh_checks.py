@@ -29,9 +29,9 @@ from configs import ling3_tiny  # noqa: E402
 from kda_lm import config as config_lib  # noqa: E402
 from kda_lm import model as model_lib  # noqa: E402
 from kda_lm import optimizer, segments  # noqa
-from kda_lm.checkpoint import state as state_lib
 from kda_lm.ops.kda import pallas  # noqa: E402
 from kda_lm.parallel import sharding
+from kda_lm.train import state as state_lib
 from kda_lm.train import step as step_lib
 from testbed import numerics  # noqa
 

@@ -26,9 +26,9 @@ import pytest
 from configs import ling3_tiny
 from kda_lm import model as model_lib
 from kda_lm import optimizer
-from kda_lm.checkpoint import state as state_lib
 from kda_lm.parallel import maps as parallel_maps
 from kda_lm.parallel import sharding
+from kda_lm.train import state as state_lib
 from kda_lm.train import step as step_lib
 
 REPO = process_support.REPO

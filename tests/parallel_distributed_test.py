@@ -49,7 +49,7 @@ import jax
 import numpy as np
 from configs import ling3_tiny
 from data import pipeline
-from kda_lm.checkpoint import state as state_lib
+from kda_lm.train import state as state_lib
 from kda_lm.train import loop as train_loop
 from kda_lm.train import step as step_lib
 

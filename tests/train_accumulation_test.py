@@ -13,9 +13,9 @@ import pytest
 
 from kda_lm import config as config_lib
 from kda_lm import losses, model, segments, stack
-from kda_lm.checkpoint import state as state_lib
 from kda_lm.train import loop as train_loop
 from kda_lm.train import metrics
+from kda_lm.train import state as state_lib
 from kda_lm.train import step as step_lib
 from testbed import numerics
 

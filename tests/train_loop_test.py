@@ -269,7 +269,7 @@ import sys
 import jax
 
 from kda_lm.parallel import sharding
-from kda_lm.checkpoint import state as state_lib
+from kda_lm.train import state as state_lib
 from kda_lm.train import loop as train_loop
 from kda_lm.train import step as step_lib
 

@@ -8,7 +8,7 @@ import pytest
 
 from data import pipeline
 from kda_lm import losses
-from kda_lm.checkpoint import state as state_lib
+from kda_lm.train import state as state_lib
 from kda_lm.train import step as step_lib
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).

@@ -8,10 +8,11 @@
 * `paths`: local paths and `gs://` URLs, reached through `etils.epath`.
 * `compat`: whether a checkpoint's parameters fit the model.
 * `data_item`: the Orbax handler of the data iterator's position.
-* `state`: `TrainState`, its initialisation and abstract shapes, and
-  `load_run` for inference (the typed run config is `kda_lm.config`'s).
 
-May import: `data`, `kda_lm.config`, `model`, `optimizer`,
-`kda_lm.parallel`. Never `kda_lm.train` or `kda_lm.infer` (both import
-this room).
+The train state these checkpoints hold, and `load_run`, live in
+`kda_lm.train.state`, which imports this room.
+
+May import: `data`, every lower room of `kda_lm` (it uses `config`,
+`stack` and `kda_lm.parallel`). Never `kda_lm.train` (its `state` module
+included), `kda_lm.infer` or `kda_lm.hf` (all three import this room).
 """

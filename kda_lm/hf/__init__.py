@@ -12,8 +12,10 @@
 * `__main__`: `python -m kda_lm.hf import|export`.
 
 May import: `kda_lm.config`, `model`, `layers`, `kda_lm.parallel`,
-`kda_lm.checkpoint`, `data`. Sits beside `kda_lm.train` and
-`kda_lm.infer`, which never import it.
+`kda_lm.checkpoint`, `kda_lm.train.state` (the train state and its
+builder, `load_run`), `data`. Sits beside `kda_lm.train` and
+`kda_lm.infer`: neither imports it, and of the two it imports only
+`kda_lm.train.state`.
 """
 
 from kda_lm.hf.convert import load_pretrained, save_pretrained

@@ -22,8 +22,8 @@ import numpy as np
 from kda_lm import config as config_lib
 from kda_lm import model as model_lib
 from kda_lm import stack
-from kda_lm.checkpoint import state as state_lib
 from kda_lm.hf import formats, mapping, safetensors_io
+from kda_lm.train import state as state_lib
 
 CONFIG = "config.json"
 

@@ -31,10 +31,10 @@ from data import tokenizer as tokenizer_lib
 from kda_lm import config as config_lib
 from kda_lm import model as model_lib
 from kda_lm.checkpoint import manager as manager_lib
-from kda_lm.checkpoint import state as state_lib
 from kda_lm.checkpoint import workdir as workdir_lib
 from kda_lm.hf import convert, formats
 from kda_lm.parallel import sharding
+from kda_lm.train import state as state_lib
 
 # The imported checkpoint's config.json, kept so that an export carries
 # its token ids and the other fields kda-lm does not model.

@@ -7,5 +7,6 @@
   document and packed, per token and per byte.
 
 May import: `data`, `config`, `model`, `losses`, `layers`,
-`kda_lm.checkpoint` (to load a run). Never `kda_lm.train`.
+`kda_lm.checkpoint`, `kda_lm.train.state` (to load a run). Never the rest
+of `kda_lm.train`.
 """

@@ -37,7 +37,7 @@ from data import packing, pipeline
 from kda_lm import config as config_lib
 from kda_lm import logs, losses
 from kda_lm import model as model_lib
-from kda_lm.checkpoint import state as state_lib
+from kda_lm.train import state as state_lib
 
 Batch = Mapping[str, np.ndarray]
 

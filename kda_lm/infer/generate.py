@@ -28,8 +28,8 @@ import numpy as np
 import kda_lm  # noqa: F401  # isort: skip  (first: XLA:CPU flags)
 from data import tokenizer as tokenizer_lib
 from kda_lm import logs
-from kda_lm.checkpoint import state as state_lib
 from kda_lm.infer import decoding
+from kda_lm.train import state as state_lib
 
 
 def text_codec(run: state_lib.Run) -> Optional[tokenizer_lib.TextCodec]:

@@ -2,7 +2,7 @@ r"""The training loop: `train_and_evaluate(config, workdir)`.
 
 The config (see `configs/ling3_tiny.py`) has the sections `model`, `data`,
 `opt`, `train`, `eval`, `checkpoint` and `mesh`;
-`kda_lm.checkpoint.state.check_config` reads each into its typed dataclass
+`kda_lm.config.check_config` reads each into its typed dataclass
 (`kda_lm/config.py`, `data/pipeline.py`) and rejects unknown and missing
 keys. This module owns the loop and its jobs, each in one place:
 `build_steps` (model, optimizer, shardings, the jitted steps of
@@ -54,12 +54,12 @@ from kda_lm import config as config_lib
 from kda_lm import flops, losses, optimizer
 from kda_lm import model as model_lib
 from kda_lm.checkpoint import manager as manager_lib
-from kda_lm.checkpoint import state as state_lib
 from kda_lm.checkpoint import workdir as workdir_lib
 from kda_lm.parallel import distributed, sharding
 from kda_lm.train import ahead as ahead_lib
 from kda_lm.train import metrics as metrics_lib
 from kda_lm.train import preemption as preemption_lib
+from kda_lm.train import state as state_lib
 from kda_lm.train import step as step_lib
 
 TrainState = state_lib.TrainState

@@ -18,9 +18,9 @@ import optax
 from kda_lm import config as config_lib
 from kda_lm import losses
 from kda_lm import model as model_lib
-from kda_lm.checkpoint import state as state_lib
 from kda_lm.layers import moe
 from kda_lm.parallel import sharding
+from kda_lm.train import state as state_lib
 
 Batch = Mapping[str, jax.Array]
 TrainState = state_lib.TrainState

@@ -1,9 +1,14 @@
 """A run's training state, and loading a trained run.
 
 What training writes and inference reads back: the `TrainState` a
-checkpoint restores, its initialisation and abstract shapes, and
-`load_run` (a run's config and newest parameters, for generation and
-evaluation). The run's typed config is `kda_lm.config.RunConfig`.
+checkpoint restores, its one builder (`state_layout`: initialisation,
+abstract shapes and shardings), and `load_run` (a run's config and newest
+parameters, for generation and evaluation). The run's typed config is
+`kda_lm.config.RunConfig`.
+
+The one module of the training room that `kda_lm.infer` and `kda_lm.hf`
+may import: it imports nothing else of `kda_lm.train`, only the rooms
+below (`kda_lm.checkpoint` and lower).
 """
 
 import os

@@ -1,5 +1,5 @@
 """Tests of the run config check (`kda_lm.config.check_config`) and of the
-train state's initialisation (`kda_lm.checkpoint.state`)."""
+train state's initialisation (`kda_lm.train.state`)."""
 
 import chex
 import helpers
@@ -12,9 +12,9 @@ from data import pipeline
 from kda_lm import config as config_lib
 from kda_lm import model as model_lib
 from kda_lm import optimizer
-from kda_lm.checkpoint import state
 from kda_lm.parallel import sharding
 from kda_lm.train import loop as train_loop
+from kda_lm.train import state
 
 tiny_config = helpers.tiny_train_config
 
