@@ -444,7 +444,8 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  """`config.checkpoint`: Orbax checkpoints in <workdir>/checkpoints."""
+  """`config.checkpoint`: Orbax checkpoints, in <workdir>/checkpoints or
+  `directory`."""
   # Save and auto-resume.
   enabled: bool = True
   # Steps between saves (and the last step).
@@ -458,10 +459,20 @@ class CheckpointConfig:
   # train state is at least 256 MiB per process (a smaller one is written
   # faster than the loop loses to the thread: manager.ASYNC_MIN_BYTES).
   async_save: Optional[bool] = None
+  # Where the checkpoints go. None: <workdir>/checkpoints. Else a local
+  # path or an object-store URL (gs://bucket/run/checkpoints), read and
+  # written through etils.epath; the workdir keeps the lock, config.json
+  # and the metrics either way, and inference finds the checkpoints
+  # through the config.json there.
+  directory: Optional[str] = None
 
   def __post_init__(self):
     if self.every_steps < 1:
       raise ValueError("config.checkpoint.every_steps must be >= 1.")
+    if self.directory is not None and not (
+        isinstance(self.directory, str) and self.directory.strip()):
+      raise ValueError("config.checkpoint.directory must be None or a path "
+                       f"or URL, got {self.directory!r}.")
     if self.async_save not in (None, True, False):
       raise ValueError("config.checkpoint.async_save must be None, True or "
                        f"False, got {self.async_save!r}.")

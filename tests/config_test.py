@@ -97,6 +97,16 @@ def test_checkpoint_every_seconds_is_none_or_positive():
       config.CheckpointConfig(every_seconds=bad)
 
 
+def test_checkpoint_directory_is_none_or_a_path():
+  assert config.CheckpointConfig().directory is None
+  for good in ("gs://bucket/run", "/tmp/ckpts", "ckpts"):
+    assert config.CheckpointConfig(directory=good).directory == good
+  for bad in ("", "  ", 3):
+    with pytest.raises(ValueError, match="directory must be None or a path "
+                       "or URL"):
+      config.CheckpointConfig(directory=bad)
+
+
 def test_rope_scaling_is_a_sub_section():
   """`model.rope_scaling` is a nested ConfigDict, read into a RopeScaling;
   its errors name the field."""

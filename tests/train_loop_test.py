@@ -25,6 +25,7 @@ from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import workdir as workdir_lib
 from kda_lm.train import loop as train_loop
 from kda_lm.train import metrics
+from kda_lm.train import state as state_lib
 
 # Subprocesses (a new process for resuming, SIGKILL, 4 fake CPU devices) run
 # `train.py` on a generated config file; they share the TFDS data dir and a
@@ -314,6 +315,31 @@ def _assert_same_rows(workdir, expected, steps):
     for key in ("loss", "accuracy", "grad_norm"):
       np.testing.assert_allclose(row[key], want[key], rtol=2e-5,
                                  atol=1e-6, err_msg=f"{workdir} {key}")
+
+
+def test_checkpoints_in_a_directory_of_their_own(tmp_path, data_dir,
+                                                cache_dir):
+  """`config.checkpoint.directory` holds the checkpoints while the workdir
+  keeps config.json and the metrics; a resume and `load_run` find them
+  there; a run pointed away from them is refused, naming both places."""
+  del cache_dir
+  workdir, ckpts = str(tmp_path / "run"), str(tmp_path / "store" / "ckpts")
+  config = lambda steps, where: tiny_config(
+      data_dir, train__num_steps=steps, eval__every_steps=0,
+      checkpoint__every_steps=1, checkpoint__directory=where)
+  train_loop.train_and_evaluate(config(1, ckpts), workdir)
+  assert os.listdir(ckpts) == ["1"]
+  assert workdir_lib.CONFIG_FILE in os.listdir(workdir)
+  assert workdir_lib.CHECKPOINT_DIR not in os.listdir(workdir)
+  state = train_loop.train_and_evaluate(config(2, ckpts), workdir)
+  assert int(state.step) == 2 and sorted(os.listdir(ckpts)) == ["1", "2"]
+  assert [r["step"] for r in helpers.train_rows(workdir)] == [1, 2]
+  assert state_lib.load_run(workdir).step == 2
+  other = str(tmp_path / "other")
+  with pytest.raises(ValueError, match=(
+      f"keeps its checkpoints in {ckpts}, but config.checkpoint.directory "
+      f"now points to {other}, which holds none")):
+    train_loop.train_and_evaluate(config(3, other), workdir)
 
 
 def test_four_devices_match_one(tmp_path, data_dir, cache_dir):

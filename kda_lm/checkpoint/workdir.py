@@ -23,12 +23,13 @@ import fcntl
 import json
 import os
 import socket
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
 from absl import logging
 
 from data import pipeline
 from kda_lm import config as config_lib
+from kda_lm.checkpoint import paths
 
 LOCK_FILE = "lock"
 CONFIG_FILE = "config.json"
@@ -333,6 +334,20 @@ def read_config(workdir: str) -> dict[str, Any] | None:
     return json.load(f)
 
 
-def checkpoint_dir(workdir: str) -> str:
-  """Where a run's checkpoints live: `<workdir>/checkpoints`."""
+def checkpoint_dir(workdir: str, directory: Optional[str] = None) -> str:
+  """Where a run's checkpoints live: `directory`
+  (`config.checkpoint.directory`; a local path made absolute, a URL such as
+  `gs://bucket/run` as given), or `<workdir>/checkpoints` without one."""
+  if directory:
+    return paths.absolute(directory)
   return os.path.join(workdir, CHECKPOINT_DIR)
+
+
+def recorded_checkpoint_dir(workdir: str) -> Optional[str]:
+  """Where the run recorded in `<workdir>/config.json` keeps its
+  checkpoints, or None (no run recorded yet)."""
+  recorded = read_config(workdir)
+  if recorded is None:
+    return None
+  section = recorded.get("checkpoint") or {}
+  return checkpoint_dir(workdir, section.get("directory"))

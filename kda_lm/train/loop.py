@@ -43,6 +43,7 @@ import time
 from typing import Any, Callable, Mapping, NamedTuple
 
 from absl import logging
+from etils import epath
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 import ml_collections
@@ -209,6 +210,22 @@ def _resume_check(cfg: config_lib.RunConfig, config_json: dict[str, Any],
   return on_config
 
 
+def _refuse_moved_checkpoints(workdir: str, directory: str) -> None:
+  """A run that finds no checkpoint in `directory` does not start over in
+  a workdir whose recorded run kept its checkpoints elsewhere
+  (`config.checkpoint.directory` changed): it names both places."""
+  before = workdir_lib.recorded_checkpoint_dir(workdir)
+  if before is None or before == directory:
+    return
+  path = epath.Path(before)
+  if path.is_dir() and any(path.iterdir()):
+    raise ValueError(
+        f"The run in {workdir} keeps its checkpoints in {before}, but "
+        f"config.checkpoint.directory now points to {directory}, which "
+        "holds none. Pass --config.checkpoint.directory="
+        f"{before} to resume, or move the checkpoints there first.")
+
+
 class _Run:
   """One run's fixed parts (config, mesh, steps, data, output, checkpoint
   manager) and the loop's named actions: evaluate, checkpoint."""
@@ -252,7 +269,7 @@ class _Run:
     self.first_step_parts = []   # Named parts of the first step's time.
     if cfg.checkpoint.enabled:
       self.manager = manager_lib.CheckpointManager(
-          workdir_lib.checkpoint_dir(workdir),
+          workdir_lib.checkpoint_dir(workdir, cfg.checkpoint.directory),
           max_to_keep=cfg.checkpoint.max_to_keep,
           async_save=manager_lib.use_async(cfg.checkpoint.async_save,
                                            self.steps.abstract))
@@ -382,6 +399,7 @@ def _restore_or_init(run: _Run) -> TrainState:
                  run.start_step, manager.directory)
   else:
     if manager:
+      _refuse_moved_checkpoints(run.workdir, manager.directory)
       logging.info("No checkpoint in %s: starting from scratch.",
                    manager.directory)
     run.compile_ahead(0)

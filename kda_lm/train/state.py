@@ -14,6 +14,7 @@ below (`kda_lm.checkpoint` and lower).
 import os
 from typing import Any, Callable, NamedTuple
 
+from etils import epath
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -211,9 +212,10 @@ def load_run(workdir: str) -> Run:
   """
   workdir = os.path.abspath(os.path.expanduser(workdir))
   config = load_config(workdir)
-  directory = workdir_lib.checkpoint_dir(workdir)
+  directory = workdir_lib.recorded_checkpoint_dir(workdir)
   hint = f"train first (python train.py --workdir={workdir})."
-  if not os.path.isdir(directory) or not os.listdir(directory):
+  path = epath.Path(directory)
+  if not path.is_dir() or not any(path.iterdir()):
     raise FileNotFoundError(f"No checkpoint in {directory}: {hint}")
   cfg = config_lib.check_config(config)
   target = abstract_state(cfg, sharding.make_mesh(cfg.mesh))
