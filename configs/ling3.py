@@ -117,8 +117,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
 
 def count_params(model_config: Any) -> dict[str, int]:
-  """Total / activated / MTP parameters (`kda_lm.flops.count_params`)."""
-  return flops.count_params(model_config)
+  """Total / activated / MTP parameters (`kda_lm.flops.count_params`) of a
+  `model` section (a ConfigDict, read here)."""
+  return flops.count_params(config_lib.ModelConfig.from_config(model_config))
 
 
 def _main() -> None:

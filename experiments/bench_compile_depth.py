@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from configs import ling3
 import kda_lm  # noqa: F401  (XLA:CPU flags)
+from kda_lm import config as config_lib
 from kda_lm import model as model_lib
 from kda_lm import optimizer
 from kda_lm.train import state as state_lib
@@ -40,7 +41,7 @@ def small_tiny(layers: int, scan: bool):
                 topk_group=2, num_experts_per_tok=4, vocab_size=1024,
                 compute_dtype="float32", kda_impl="xla", moe_impl="xla",
                 scan_layers=scan))
-  return m
+  return config_lib.ModelConfig.from_config(m)
 
 
 def compile_seconds(m, T: int) -> tuple[float, float]:

@@ -70,13 +70,14 @@ def _measure(seq_len: int, n: int) -> dict[str, float]:
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   from configs import ling3_tiny  # pylint: disable=g-import-not-at-top
+  from kda_lm import config as config_lib  # pylint: disable=g-import-not-at-top
   from kda_lm import model  # pylint: disable=g-import-not-at-top
   from kda_lm.parallel import sharding
   from testbed import hlo_flops  # pylint: disable=g-import-not-at-top
 
-  cfg = ling3_tiny.get_config().model
-  cfg.vocab_size = 256
-  net = model.build(cfg)
+  m = ling3_tiny.get_config().model
+  m.vocab_size = 256
+  net = model.build(config_lib.ModelConfig.from_config(m))
   ids = np.ones((1, seq_len), np.int32)
   ids[0, seq_len // 3:] = 2          # two documents, one boundary
   tokens = jnp.zeros((1, seq_len), jnp.int32)

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
+from kda_lm import config as config_lib
 from kda_lm import model
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -112,7 +113,7 @@ def bench(model_config, seq_len: int, *, rows: int, seconds: float,
   """Times forward+backward of one model configuration in this process.
 
   Args:
-    model_config: the `model` config dict.
+    model_config: the model's settings, typed.
     seq_len: row length.
     rows: rows per step.
     seconds: minimum timed seconds.
@@ -148,13 +149,15 @@ def bench(model_config, seq_len: int, *, rows: int, seconds: float,
               xla_mib=_peak_mib(compiled), rss_mib=rss_mib)
 
 
-def _config(pattern: str, chunk: int):
+def _config(pattern: str, chunk: int, overrides: dict | None = None
+            ) -> config_lib.ModelConfig:
   """The pattern table's model: dense SwiGLU FFNs (MoE rows override)."""
   cfg = _CONFIG.value.model.copy_and_resolve_references()
   cfg.num_experts = 0
   cfg.attention_pattern = pattern
   cfg.kda_chunk_size = chunk
-  return cfg
+  cfg.update(overrides or {})
+  return config_lib.ModelConfig.from_config(cfg)
 
 
 def _moe_overrides(num_experts: int) -> dict:
@@ -194,8 +197,7 @@ def main(argv):
   del argv
   if _CHILD.value:
     spec = json.loads(_CHILD.value)
-    cfg = _config(spec["pattern"], spec["chunk"])
-    cfg.update(spec.get("model", {}))
+    cfg = _config(spec["pattern"], spec["chunk"], spec.get("model"))
     result = bench(cfg, spec["seq_len"],
                    rows=spec["rows"], seconds=_SECONDS.value,
                    min_steps=_MIN_STEPS.value)
@@ -263,9 +265,7 @@ def _moe_table(base, chunk: int) -> None:
             dict(_moe_overrides(int(e)), moe_impl=impl))
            for e in _MOE_EXPERTS.value for impl in _MOE_IMPLS.value]
   for name, overrides in rows:
-    cfg = _config(pattern, chunk)
-    cfg.update(overrides)
-    params = model.param_count(cfg)
+    params = model.param_count(_config(pattern, chunk, overrides))
     for seq_len in (int(s) for s in _MOE_SEQ_LENS.value):
       r = _run_child(pattern, seq_len, chunk, overrides)
       if isinstance(r, str):

@@ -81,7 +81,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 class Setup:
   """What one benchmarked step is: the model, its rows and the training
   options that change the step."""
-  model: Any           # a `config.model` ConfigDict
+  model: config_lib.ModelConfig
   B: int
   T: int
   loss_chunks: int
@@ -93,15 +93,17 @@ def setup() -> Setup:
   """The step of `--config`, or of the width flags."""
   c = _CONFIG.value
   if c is not None:
-    return Setup(c.model, c.data.batch_size, c.data.seq_len,
-                 c.train.loss_chunks, c.train.remat, c.opt)
+    return Setup(config_lib.ModelConfig.from_config(c.model),
+                 c.data.batch_size, c.data.seq_len, c.train.loss_chunks,
+                 c.train.remat, c.opt)
   opt = ling3.get_config().opt
   opt.moment_dtype = _MOMENTS.value
-  return Setup(model_config(), _B.value, _T.value, _CHUNKS.value,
-               _REMAT.value, opt)
+  return Setup(config_lib.ModelConfig.from_config(model_config()), _B.value,
+               _T.value, _CHUNKS.value, _REMAT.value, opt)
 
 
 def model_config():
+  """The width flags' `model` ConfigDict."""
   m = compile_mesh.model_config(_LAYERS.value, _MODEL.value)
   m.num_experts, m.num_experts_per_tok = _EXPERTS.value, _TOP_K.value
   if m.num_experts % m.n_group or m.num_experts_per_tok > (
@@ -176,9 +178,8 @@ def _grad_time(fn, params, *inputs):
 
 def part_times(su: Setup, params, tx):
   """{part: seconds} of each part alone (times its count of layers)."""
-  m, B, T = su.model, su.B, su.T
-  cfg = config_lib.ModelConfig.from_config(m)
-  batch = batch_for(B, T, m.vocab_size)
+  cfg, B, T = su.model, su.B, su.T
+  batch = batch_for(B, T, cfg.vocab_size)
   seg, pos = batch["segment_ids"], batch["positions"]
   x = jnp.asarray(np.random.default_rng(1).standard_normal(
       (B, T, cfg.d_model)), jnp.bfloat16)

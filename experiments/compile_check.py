@@ -356,6 +356,7 @@ def check_train_step(target):
   from configs import ling3_tiny  # pylint: disable=g-import-not-at-top
 
   # pylint: disable=g-import-not-at-top
+  from kda_lm import config as config_lib
   from kda_lm import model as model_lib
   from kda_lm import optimizer
   from kda_lm.train import state as state_lib
@@ -363,9 +364,10 @@ def check_train_step(target):
   config = ling3_tiny.get_config()
   mesh = _mesh(target)
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  model = model_lib.build(config.model)
+  model_config = config_lib.ModelConfig.from_config(config.model)
+  model = model_lib.build(model_config)
   tx, schedule = optimizer.make_optimizer(config.opt, 10)
-  update = step_lib.make_update_fn(model, tx, schedule, config.model)
+  update = step_lib.make_update_fn(model, tx, schedule, model_config)
   b, t = int(config.data.batch_size), int(config.data.seq_len)
   init = state_lib.make_init_fn(model, tx, t)
   abstract = jax.tree.map(

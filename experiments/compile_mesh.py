@@ -56,6 +56,7 @@ import numpy as np  # noqa: E402
 
 from configs import kimi_linear, ling3  # noqa: E402
 import kda_lm  # noqa: E402,F401  (XLA:CPU flags)
+from kda_lm import config as config_lib  # noqa: E402
 from kda_lm import flops, optimizer  # noqa: E402
 from kda_lm import model as model_lib  # noqa: E402
 from kda_lm.parallel import sharding
@@ -133,7 +134,8 @@ def parse_mesh(text):
 
 def model_config(layers, model="tiny"):
   """`model`'s widths ("tiny", "dense", "flash", "kimi"; `name@c` sets
-  `moe_capacity_factor` c) with `layers` layers of its pattern."""
+  `moe_capacity_factor` c) with `layers` layers of its pattern: a `model`
+  ConfigDict (`typed_model_config` reads it)."""
   model, _, capacity = model.partition("@")
   if model == "kimi":
     m = kimi_linear.model_config()
@@ -150,6 +152,11 @@ def model_config(layers, model="tiny"):
     m.mlp_hidden_dim = (m.num_experts_per_tok + m.num_shared_experts) * (
         m.moe_intermediate_size)
   return m
+
+
+def typed_model_config(layers, model="tiny") -> config_lib.ModelConfig:
+  """`model_config(layers, model)`, read into its `ModelConfig`."""
+  return config_lib.ModelConfig.from_config(model_config(layers, model))
 
 
 def analytic_flops(m, B, T):
@@ -229,7 +236,7 @@ def state_table(specs):
   print("|---|---|")
   for spec in specs:
     target, mesh_text, _, *rest = spec.split(":")
-    m = model_config(None, rest[0] if rest else "tiny")
+    m = typed_model_config(None, rest[0] if rest else "tiny")
     mesh_config = parse_mesh(mesh_text)
     count = (mesh_config.data * mesh_config.fsdp * mesh_config.expert
              * mesh_config.context)
@@ -251,7 +258,7 @@ def expert_weight(m, expert):
 def run_row(spec, layers, T):
   target, mesh_text, b, *rest = spec.split(":")
   row = Row(spec)
-  m = model_config(layers, rest[0] if rest else "tiny")
+  m = typed_model_config(layers, rest[0] if rest else "tiny")
   mesh_config = parse_mesh(mesh_text)
   devs = devices(target)
   count = (mesh_config.data * mesh_config.fsdp * mesh_config.expert
@@ -320,7 +327,7 @@ def main(argv):
   if FLAGS.state_only:
     state_table(FLAGS.rows)
     return 0
-  m = model_config(FLAGS.layers)
+  m = typed_model_config(FLAGS.layers)
   print(f"jax {jax.__version__}; Ling-3.0-tiny widths, pattern "
         f"{m.attention_pattern}, T={FLAGS.seq_len}, kda_impl and "
         f"moe_impl auto, {m.compute_dtype} activations", flush=True)

@@ -92,15 +92,17 @@ def target_devices(chip: Chip) -> list:
         topology=chip.topology).devices
 
 
-def model_config(name: str, layers: int, scan: bool):
-  """`configs/<module>.py`'s `model_config(arg)`, cut to `layers`."""
+def model_config(name: str, layers: int, scan: bool
+                 ) -> config_lib.ModelConfig:
+  """`configs/<module>.py`'s `model_config(arg)`, cut to `layers`, read
+  into its `ModelConfig`."""
   module, _, arg = name.partition(":")
   make = importlib.import_module(f"configs.{module}").model_config
   m = make(arg) if arg else make()
   if layers:
     m.attention_pattern = m.attention_pattern[:layers - 1] + "M"
   m.scan_layers = scan
-  return m
+  return config_lib.ModelConfig.from_config(m)
 
 
 @dataclasses.dataclass

@@ -10,6 +10,11 @@ of the defaults, and `__post_init__` raises a `ValueError` naming the field.
 
   model_config = config.ModelConfig.from_config(cfg.model)
   cfg.model = config.config_dict(config.ModelConfig)   # in a config file
+
+The model's section is read where it enters, once: `check_config` (a run's
+config; `RunConfig.model`), the command lines and the Hugging Face import.
+The library below takes the typed `ModelConfig`; `typed_model` is its one
+refusal of anything else.
 """
 
 import dataclasses
@@ -321,6 +326,28 @@ class ModelConfig:
   def has_aux_outputs(self) -> bool:
     """The training step needs `apply(..., return_aux=True)` (MoE or MTP)."""
     return bool(self.num_experts or self.num_mtp_layers)
+
+
+def typed_model(model_config: Any, where: str) -> ModelConfig:
+  """`model_config` if it is a `ModelConfig`, else a TypeError.
+
+  Args:
+    model_config: what a caller gave as the model's settings.
+    where: the function that needs them, named in the message.
+
+  Returns:
+    `model_config`, unchanged.
+
+  Raises:
+    TypeError: anything but a `ModelConfig` (a ConfigDict, a dict); the
+      message says how to read one.
+  """
+  if isinstance(model_config, ModelConfig):
+    return model_config
+  raise TypeError(
+      f"{where} takes a kda_lm.config.ModelConfig, got "
+      f"{type(model_config).__name__}: pass "
+      f"kda_lm.config.ModelConfig.from_config(config.model).")
 
 
 # ---------------------------------------------------------------------------

@@ -38,11 +38,12 @@ PEAK_BF16_TFLOPS = {
 }
 
 
-def count_params(model_config: Any, params: Any = None) -> dict[str, int]:
+def count_params(cfg: config_lib.ModelConfig, params: Any = None
+                 ) -> dict[str, int]:
   """Total / activated / MTP parameters.
 
   Args:
-    model_config: a `model` dict.
+    cfg: the model's settings.
     params: its parameters (or their shapes), any layout; None: traced with
       `jax.eval_shape` (no memory).
 
@@ -50,9 +51,8 @@ def count_params(model_config: Any, params: Any = None) -> dict[str, int]:
     `total` (main model), `activated`, `mtp` (all MTP-layer parameters) and
     `mtp_activated`.
   """
-  cfg = config_lib.ModelConfig.from_config(model_config)
   if params is None:
-    params = model_lib.abstract_params(model_config, seq_len=1)
+    params = model_lib.abstract_params(cfg, seq_len=1)
   E, k = cfg.num_experts, cfg.num_experts_per_tok
   out = dict(total=0, activated=0, mtp=0, mtp_activated=0)
   for module, entries in params.items():
@@ -70,14 +70,20 @@ def count_params(model_config: Any, params: Any = None) -> dict[str, int]:
   return out
 
 
-def step_flops(model_config: Any, B: int, T: int,
+def step_flops(cfg: config_lib.ModelConfig, B: int, T: int,
                params: Any = None) -> float:
   """Training FLOPs of one step of B rows of T tokens (all devices): the
   main stack, the MTP layers, and the LM head once for the main output
   and once per MTP layer (a tied head is the embedding table, which
-  `count_params` leaves out of `activated`)."""
-  cfg = config_lib.ModelConfig.from_config(model_config)
-  counts = count_params(model_config, params)
+  `count_params` leaves out of `activated`).
+
+  Args:
+    cfg: the model's settings.
+    B: rows per step.
+    T: tokens per row.
+    params: as `count_params`'s.
+  """
+  counts = count_params(cfg, params)
   n_mtp = cfg.num_mtp_layers
   heads = (1 + n_mtp if cfg.tie_embeddings else n_mtp) * (
       cfg.d_model * cfg.vocab_size)

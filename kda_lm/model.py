@@ -17,7 +17,8 @@ have alone.
 
 Usage:
 
-  model = kda_lm.model.build(config.model)
+  run = kda_lm.config.check_config(config)   # config.model read, typed
+  model = kda_lm.model.build(run.model)
   params = model.init(rng, tokens, segment_ids)
   logits = model.apply(params, tokens, segment_ids)
 
@@ -375,12 +376,13 @@ def forward(cfg: config_lib.ModelConfig, tokens: jax.Array,
   return (logits_BTW, aux) if return_aux else logits_BTW
 
 
-def build(model_config: Any, *, remat: str = "none") -> hk.Transformed:
+def build(model_config: config_lib.ModelConfig, *, remat: str = "none"
+          ) -> hk.Transformed:
   """Builds the model.
 
   Args:
-    model_config: the `model` section: a ConfigDict or dict (see
-      `configs/ling3_tiny.py`) or a `kda_lm.config.ModelConfig`.
+    model_config: the model's settings, typed (a run's `RunConfig.model`,
+      or `kda_lm.config.ModelConfig.from_config(config.model)`).
     remat: the training step's rematerialisation policy per layer
       (`config.train.remat`, `kda_lm.stack.REMAT_POLICIES`).
 
@@ -396,9 +398,10 @@ def build(model_config: Any, *, remat: str = "none") -> hk.Transformed:
     scanned layout (`kda_lm.stack.to_scanned`).
 
   Raises:
-    ValueError: an invalid config (see `kda_lm.config.ModelConfig`).
+    TypeError: `model_config` is not a `ModelConfig` (a ConfigDict, say).
+    ValueError: an unknown `remat`.
   """
-  cfg = config_lib.ModelConfig.from_config(model_config)
+  cfg = config_lib.typed_model(model_config, "kda_lm.model.build")
   stack.check_remat(remat)
 
   def fn(tokens, segment_ids=None, positions=None, return_aux=False,
@@ -443,9 +446,15 @@ def _ffn_param_count(cfg: config_lib.ModelConfig, use_moe: bool) -> int:
                          cfg.num_shared_experts)
 
 
-def param_count(model_config: Any) -> int:
-  """Parameter count by shape arithmetic (checks `init` in tests)."""
-  cfg = config_lib.ModelConfig.from_config(model_config)
+def param_count(cfg: config_lib.ModelConfig) -> int:
+  """Parameter count by shape arithmetic (checks `init` in tests).
+
+  Args:
+    cfg: the model's settings.
+
+  Returns:
+    The number of parameters `build(cfg).init` makes.
+  """
   D = cfg.d_model
   n = cfg.vocab_size * D + D                      # embedding, final norm
   if not cfg.tie_embeddings:
@@ -462,10 +471,13 @@ def param_count(model_config: Any) -> int:
   return n
 
 
-def router_bias_modules(model_config: Any) -> list[str]:
+def router_bias_modules(cfg: config_lib.ModelConfig) -> list[str]:
   """Module paths of the MoE layers in the unscanned layout, in the order
-  of `aux["expert_load"]` (the layer order, MTP blocks last)."""
-  cfg = config_lib.ModelConfig.from_config(model_config)
+  of `aux["expert_load"]` (the layer order, MTP blocks last).
+
+  Args:
+    cfg: the model's settings.
+  """
   paths = [f"{stack.layer_name(i)}/moe" for i in range(cfg.num_layers)
            if cfg.is_moe_layer(i)]
   if cfg.num_experts:
@@ -473,12 +485,14 @@ def router_bias_modules(model_config: Any) -> list[str]:
   return paths
 
 
-def router_bias_slots(model_config: Any) -> list[moe.BiasSlot]:
+def router_bias_slots(cfg: config_lib.ModelConfig) -> list[moe.BiasSlot]:
   """Where each MoE layer's selection bias lives in the config's layout:
   one `moe.BiasSlot` per MoE module, naming its rows of
   `aux["expert_load"]` (a scanned slot's bias is [N,E], one row a repeat).
+
+  Args:
+    cfg: the model's settings (`scan_layers` picks the layout).
   """
-  cfg = config_lib.ModelConfig.from_config(model_config)
   plan = stack.layer_plan(cfg)
   row = {i: n for n, i in enumerate(
       i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))}
@@ -495,25 +509,30 @@ def router_bias_slots(model_config: Any) -> list[moe.BiasSlot]:
   return slots
 
 
-def abstract_params(model_config: Any, seq_len: int = 8) -> hk.Params:
-  """Parameter shapes and dtypes (`jax.ShapeDtypeStruct`s), nothing run."""
-  model = build(model_config)
+def abstract_params(cfg: config_lib.ModelConfig, seq_len: int = 8
+                    ) -> hk.Params:
+  """Parameter shapes and dtypes (`jax.ShapeDtypeStruct`s), nothing run.
+
+  Args:
+    cfg: the model's settings.
+    seq_len: tokens of the row `init` is traced on.
+  """
+  model = build(cfg)
   tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
   return jax.eval_shape(model.init, jax.random.key(0), tokens)
 
 
-def summary(model_config: Any, *, shapes: bool = True) -> str:
+def summary(cfg: config_lib.ModelConfig, *, shapes: bool = True) -> str:
   """A parameter table: one row per top-level layer, then per parameter.
 
   Args:
-    model_config: the `model` config dict.
+    cfg: the model's settings.
     shapes: append a table of every parameter's shape.
 
   Returns:
     The table as text.
   """
-  cfg = config_lib.ModelConfig.from_config(model_config)
-  params = abstract_params(model_config)
+  params = abstract_params(cfg)
   rows = {}
   for module, _, p in hk.data_structures.traverse(params):
     top = module.split("/")[0]
@@ -555,7 +574,8 @@ def summary(model_config: Any, *, shapes: bool = True) -> str:
 
 def _main(argv):
   del argv
-  print(summary(_CONFIG.value.model, shapes=_SHAPES.value))
+  cfg = config_lib.ModelConfig.from_config(_CONFIG.value.model)
+  print(summary(cfg, shapes=_SHAPES.value))
 
 
 if __name__ == "__main__":

@@ -179,10 +179,16 @@ def _stack(leaves: list[Any]) -> Any:
   return jnp.stack(leaves)
 
 
-def to_scanned(params: Mapping[str, Any], model_config: Any) -> dict:
-  """An unscanned parameter tree in the scanned layout of `model_config`
-  (its group as `find_group` finds it, whatever `scan_layers` says)."""
-  plan = find_group(config_lib.ModelConfig.from_config(model_config))
+def to_scanned(params: Mapping[str, Any], cfg: config_lib.ModelConfig
+               ) -> dict:
+  """An unscanned parameter tree in the scanned layout of `cfg` (its group
+  as `find_group` finds it, whatever `scan_layers` says).
+
+  Args:
+    params: the parameter tree, unscanned.
+    cfg: the model's settings.
+  """
+  plan = find_group(cfg)
   out, slots = {}, {}
   for module, leaves in params.items():
     i, rest = _split_layer(module)
@@ -202,9 +208,15 @@ def to_scanned(params: Mapping[str, Any], model_config: Any) -> dict:
   return out
 
 
-def to_unscanned(params: Mapping[str, Any], model_config: Any) -> dict:
-  """The inverse of `to_scanned`."""
-  plan = find_group(config_lib.ModelConfig.from_config(model_config))
+def to_unscanned(params: Mapping[str, Any], cfg: config_lib.ModelConfig
+                 ) -> dict:
+  """The inverse of `to_scanned`.
+
+  Args:
+    params: the parameter tree, scanned.
+    cfg: the model's settings.
+  """
+  plan = find_group(cfg)
   out = {}
   prefix = SCAN_NAME + "/"
   for module, leaves in params.items():
@@ -224,9 +236,14 @@ def is_scanned(params: Mapping[str, Any]) -> bool:
   return any(m.startswith(SCAN_NAME + "/") for m in params)
 
 
-def to_layout(params: Mapping[str, Any], model_config: Any) -> dict:
-  """`params` in the layout `model_config.scan_layers` asks for."""
-  cfg = config_lib.ModelConfig.from_config(model_config)
+def to_layout(params: Mapping[str, Any], cfg: config_lib.ModelConfig
+              ) -> dict:
+  """`params` in the layout `cfg.scan_layers` asks for.
+
+  Args:
+    params: the parameter tree, either layout.
+    cfg: the model's settings.
+  """
   if is_scanned(params) == cfg.scan_layers:
     return dict(params)
   return (to_scanned if cfg.scan_layers else to_unscanned)(params, cfg)

@@ -28,7 +28,8 @@ def test_total_params_within_2_percent(size):
   c = _counts(size)
   assert abs(c["total"] / total - 1) < 0.02, c
   # eval_shape agrees with the shape arithmetic of kda_lm.model.
-  assert c["total"] + c["mtp"] == model.param_count(ling3.model_config(size))
+  assert c["total"] + c["mtp"] == model.param_count(
+      config.ModelConfig.from_config(ling3.model_config(size)))
 
 
 def test_flash_activated_within_2_percent():

@@ -22,13 +22,14 @@ def test_counts_from_either_layout_and_activated_experts():
   """The same counts from the traced parameters, the unscanned and the
   scanned layout; activated = all but the embedding, and k of E routed
   experts."""
-  cfg = helpers.tiny_config(
-      attention_pattern="KMKMKM", num_experts=4, num_experts_per_tok=2,
-      moe_intermediate_size=16, first_k_dense_replace=2)
+  moe = dict(attention_pattern="KMKMKM", num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=16,
+             first_k_dense_replace=2)
+  cfg = helpers.tiny_model(**moe)
   traced = flops.count_params(cfg)
   params = model.abstract_params(cfg)
   assert flops.count_params(cfg, params) == traced
-  scanned_cfg = helpers.tiny_config(**dict(cfg, scan_layers=True))
+  scanned_cfg = helpers.tiny_model(**moe, scan_layers=True)
   scanned = stack.to_scanned(
       jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), params), scanned_cfg)
   assert flops.count_params(scanned_cfg, scanned) == traced
@@ -42,7 +43,7 @@ def test_counts_from_either_layout_and_activated_experts():
 
 
 def test_step_flops_scale_with_rows_and_grow_with_t():
-  cfg = helpers.tiny_config(attention_pattern="KM")
+  cfg = helpers.tiny_model(attention_pattern="KM")
   one = flops.step_flops(cfg, 1, 64)
   assert flops.step_flops(cfg, 3, 64) == pytest.approx(3 * one)
   # Causal MLA grows faster than linearly in T; the rest is linear.
@@ -56,16 +57,17 @@ def test_step_flops_count_every_head_and_the_mtp_layers():
   costs its parameters and its attention core; a tied head (the
   embedding table) costs what an untied one does."""
   B, T = 2, 64
-  base = helpers.tiny_config(attention_pattern="KM")
-  mtp = helpers.tiny_config(attention_pattern="KM", num_mtp_layers=1,
-                            mtp_layer_kind="M")
-  only_m = helpers.tiny_config(attention_pattern="M")
+  base = helpers.tiny_model(attention_pattern="KM")
+  with_mtp = dict(attention_pattern="KM", num_mtp_layers=1,
+                  mtp_layer_kind="M")
+  mtp = helpers.tiny_model(**with_mtp)
+  only_m = helpers.tiny_model(attention_pattern="M")
   mla_core = (flops.step_flops(only_m, B, T)
               - 6 * flops.count_params(only_m)["activated"] * B * T)
   head = mtp.d_model * mtp.vocab_size
   want = 6 * (flops.count_params(mtp)["mtp_activated"] + head) * B * T
   assert flops.step_flops(mtp, B, T) - flops.step_flops(base, B, T) == (
       pytest.approx(want + mla_core))
-  tied = helpers.tiny_config(**dict(mtp, tie_embeddings=True))
+  tied = helpers.tiny_model(**with_mtp, tie_embeddings=True)
   assert flops.step_flops(tied, B, T) == pytest.approx(
       flops.step_flops(mtp, B, T))

@@ -1,7 +1,8 @@
 """Helpers shared by the test modules; no test module imports another.
 
 - The model tests' tiny config and packed row (`VOCAB`, `T`, `LENS`,
-  `STARTS`, `tiny_config`, `packed_row`, `doc`, `alone_rows`).
+  `STARTS`, `tiny_config`, `tiny_model`, `packed_row`, `doc`,
+  `alone_rows`).
 - The evaluation and generation tests' tiny model (`tiny_model_config`).
 - The loss tests' packed row (`LOSS_ROW`).
 - `record_rope`: the RoPE calls of a jitted function.
@@ -38,6 +39,7 @@ import tokenizers
 
 from configs import ling3_tiny
 from data import pipeline
+from kda_lm import config as config_lib
 from kda_lm.layers import rope
 from kda_lm.parallel import sharding
 from kda_lm.train import loop as train_loop
@@ -57,6 +59,12 @@ def tiny_config(**overrides):
                 kda_impl="xla"))
   m.update(overrides)
   return m
+
+
+def tiny_model(**overrides) -> config_lib.ModelConfig:
+  """`tiny_config(**overrides)` read into its `ModelConfig`, as the
+  library takes it."""
+  return config_lib.ModelConfig.from_config(tiny_config(**overrides))
 
 
 def packed_row(seed):

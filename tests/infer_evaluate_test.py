@@ -12,6 +12,7 @@ import pytest
 
 from configs import ling3_tiny
 from data import tokenizer as tokenizer_lib
+from kda_lm import config as config_lib
 from kda_lm import model as model_lib
 from kda_lm.infer import evaluate
 from kda_lm.train import state as state_lib
@@ -32,9 +33,11 @@ def tiny_run_config(tmp_path):
 
 def test_per_document_equals_packed_with_resets(tmp_path):
   config = tiny_run_config(tmp_path)
-  params = model_lib.build(config.model).init(
+  model_config = config_lib.ModelConfig.from_config(config.model)
+  params = model_lib.build(model_config).init(
       jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
-  results = evaluate.evaluate_run(config, params, str(tmp_path))
+  results = evaluate.evaluate_run(model_config, config.data, params,
+                                  str(tmp_path))
   per_doc = results["per document"]
   packed = results["packed, resets on"]
   off = results["packed, resets off"]
@@ -92,20 +95,21 @@ def test_bits_per_byte_count_the_bytes_of_the_scored_targets(tmp_path):
 
   config = tiny_run_config(tmp_path)
   config.model.vocab_size = vocab
-  params = model_lib.build(config.model).init(
+  model_config = config_lib.ModelConfig.from_config(config.model)
+  params = model_lib.build(model_config).init(
       jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
   # seq_len 16 splits the documents; batches of 3 rows end with padding.
   batches = list(evaluate.per_document_batches(
       iter([{"tokens": d} if m is None else {"tokens": d, "loss_mask": m}
             for d, m in zip(docs, masks, strict=True)]), 16, 3))
   assert np.sum(batches[-1]["segment_ids"][-1]) == 0   # A padding row.
-  got = evaluate.score(evaluate.make_eval_step(config.model, token_bytes),
+  got = evaluate.score(evaluate.make_eval_step(model_config, token_bytes),
                        params, iter(batches), vocab)
 
   # float64 numpy: each piece of 16 (input, target) pairs alone in a row,
   # as the rows split the documents (a short piece padded at the end, which
   # a causal model does not read).
-  apply = jax.jit(model_lib.build(config.model).apply)
+  apply = jax.jit(model_lib.build(model_config).apply)
   nats = nbytes = count = 0.0
   for doc, mask in zip(docs, masks, strict=True):
     mask = np.ones(len(doc)) if mask is None else mask

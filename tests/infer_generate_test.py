@@ -22,6 +22,7 @@ import tokenizers
 
 from configs import ling3_tiny
 from data import tokenizer as tokenizer_lib
+from kda_lm import config as config_lib
 from kda_lm import model as model_lib
 from kda_lm.infer import generate
 from kda_lm.train import state as state_lib
@@ -39,10 +40,14 @@ def tiny_config(delay):
   return config
 
 
+def typed_model(config):
+  return config_lib.ModelConfig.from_config(config.model)
+
+
 @functools.cache
 def repeater_params():
   """Parameters of a model whose greedy next token is the current token."""
-  model_config = tiny_config(1).model
+  model_config = typed_model(tiny_config(1))
   params = model_lib.build(model_config).init(
       jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
   params = {
@@ -68,14 +73,16 @@ def run_with_documents(monkeypatch, tmp_path, delay, docs):
   config = tiny_config(delay)
   monkeypatch.setattr(generate, "validation_documents",
                       lambda run, num_docs: docs[:num_docs])
-  return state_lib.Run(str(tmp_path), config, repeater_params(), 0)
+  return state_lib.Run(str(tmp_path), config, repeater_params(), 0,
+                       typed_model(config))
 
 
 def test_repeater_is_what_the_docstring_says():
   config = tiny_config(1)
   params = repeater_params()
   tokens = jnp.asarray([[3, 9, 9, 0, 15, 4]], jnp.int32)
-  logits = jax.jit(model_lib.build(config.model).apply)(params, tokens)
+  logits = jax.jit(model_lib.build(typed_model(config)).apply)(params,
+                                                               tokens)
   np.testing.assert_array_equal(np.argmax(logits, -1), tokens)
 
 

@@ -415,7 +415,7 @@ def test_bad_router_dims():
 
 
 # One KDA layer with a dense FFN, then one MLA layer with the MoE.
-MOE_CONFIG = helpers.tiny_config(
+MOE_CONFIG = helpers.tiny_model(
     attention_pattern="KM", num_experts=8, num_experts_per_tok=2,
     num_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1,
     routed_scaling_factor=2.5, n_group=2, topk_group=2)

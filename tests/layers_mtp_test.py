@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from kda_lm import config, losses, model
+from kda_lm import losses, model
 from kda_lm.layers import moe, mtp
 from kda_lm.train import state as state_lib
 from kda_lm.train import step as step_lib
@@ -45,7 +45,7 @@ def test_targets_never_cross_documents_exact():
 
 
 # MLA-only main stack (compiles fast); MoE after one dense layer.
-MTP_CONFIG = helpers.tiny_config(
+MTP_CONFIG = helpers.tiny_model(
     attention_pattern="MM", num_mtp_layers=2, num_experts=4,
     num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=16,
     first_k_dense_replace=1)
@@ -125,8 +125,7 @@ def test_update_step_mtp_loss_and_router_bias():
   for key in ("moe_load_max", "moe_load_min", "moe_load_imbalance"):
     assert key in metrics
   assert 0 <= metrics["moe_load_min"] <= 1 / 4 <= metrics["moe_load_max"]
-  rate = config.ModelConfig.from_config(
-      MTP_CONFIG).router_bias_update_rate
+  rate = MTP_CONFIG.router_bias_update_rate
   modules = model.router_bias_modules(MTP_CONFIG)
   assert modules == ["layer_1/moe", "mtp_0/block/moe", "mtp_1/block/moe"]
   for row, module in enumerate(modules):

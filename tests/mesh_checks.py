@@ -65,7 +65,7 @@ def packed_batch():
 def model_config(kda_impl, moe_impl):
   config = ling3_tiny.get_config().model
   config.kda_impl, config.moe_impl = kda_impl, moe_impl
-  return config
+  return config_lib.ModelConfig.from_config(config)
 
 
 def mesh(shape):
@@ -76,11 +76,10 @@ def mesh(shape):
 
 def step_errors(kda_impl, moe_impl):
   """Loss and gradient errors of each mesh against no mesh."""
-  config = model_config(kda_impl, moe_impl)
-  model = model_lib.build(config)
+  cfg = model_config(kda_impl, moe_impl)
+  model = model_lib.build(cfg)
   tx, schedule = optimizer.make_optimizer(ling3_tiny.get_config().opt, 10)
   state = state_lib.make_init_fn(model, tx, T)(jax.random.PRNGKey(0))
-  cfg = config_lib.ModelConfig.from_config(config)
   loss_fn = step_lib._loss_fn(model, cfg)  # pylint: disable=protected-access
   batch = packed_batch()
   denominators = step_lib._denominators(batch, cfg)  # pylint: disable=protected-access

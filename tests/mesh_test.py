@@ -24,6 +24,7 @@ import process_support
 import pytest
 
 from configs import ling3_tiny
+from kda_lm import config as config_lib
 from kda_lm import model as model_lib
 from kda_lm import optimizer
 from kda_lm.parallel import maps as parallel_maps
@@ -66,9 +67,10 @@ def traced_step(kda_impl="pallas", moe_impl="megablox"):
   """`make_jaxpr` of ling3_tiny's training step, for a given mesh."""
   config = ling3_tiny.get_config()
   config.model.kda_impl, config.model.moe_impl = kda_impl, moe_impl
-  model = model_lib.build(config.model)
+  model_config = config_lib.ModelConfig.from_config(config.model)
+  model = model_lib.build(model_config)
   tx, schedule = optimizer.make_optimizer(config.opt, 10)
-  update = step_lib.make_update_fn(model, tx, schedule, config.model)
+  update = step_lib.make_update_fn(model, tx, schedule, model_config)
   state = jax.eval_shape(state_lib.make_init_fn(model, tx, 128),
                          jax.random.PRNGKey(0))
   tok = jax.ShapeDtypeStruct((4, 128), jnp.int32)
@@ -144,7 +146,7 @@ def test_without_a_mesh_the_layers_call_the_ops_directly():
   assert not parallel_maps.under_mesh()
   config = ling3_tiny.get_config().model
   config.kda_impl, config.moe_impl = "pallas", "megablox"
-  model = model_lib.build(config)
+  model = model_lib.build(config_lib.ModelConfig.from_config(config))
   tokens = jnp.zeros((2, 64), jnp.int32)
   params = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
   found = placements(jax.make_jaxpr(model.apply)(params, tokens,
@@ -175,7 +177,7 @@ def test_sharded_step_equals_one_device(impl):
 
 
 def _apply_under(mesh, B, T=16):
-  cfg = ling3_tiny.get_config().model
+  cfg = config_lib.ModelConfig.from_config(ling3_tiny.get_config().model)
   model = model_lib.build(cfg)
   tokens = jnp.zeros((B, T), jnp.int32)
   params = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens[:1])

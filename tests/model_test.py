@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from configs import ling3_tiny
-from kda_lm import layers, model, ops, optimizer
+from kda_lm import config, layers, model, ops, optimizer
 from kda_lm.layers import moe
 
 VOCAB, T = helpers.VOCAB, helpers.T
 LENS, STARTS = helpers.LENS, helpers.STARTS
-tiny_config = helpers.tiny_config
+tiny_config, tiny_model = helpers.tiny_config, helpers.tiny_model
 _packed_row, _doc = helpers.packed_row, helpers.doc
 
 # Tiny shapes: compilation dominates (conftest.fast_compile).
@@ -25,13 +25,13 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 CONFIGS = {
-    "ling": tiny_config(),
+    "ling": tiny_model(),
     # Every other option: Kimi gates, NoPE, low-rank query, tied embeddings,
     # no output gate, conv bias, V != K, MLA-first pattern, chunk 32.
-    "kimi": tiny_config(kda_gate="kimi", use_nope=True, q_lora_rank=16,
-                        tie_embeddings=True, mla_output_gate=False,
-                        conv_bias=True, kda_head_v_dim=8,
-                        attention_pattern="MKKK", kda_chunk_size=32),
+    "kimi": tiny_model(kda_gate="kimi", use_nope=True, q_lora_rank=16,
+                       tie_embeddings=True, mla_output_gate=False,
+                       conv_bias=True, kda_head_v_dim=8,
+                       attention_pattern="MKKK", kda_chunk_size=32),
 }
 
 
@@ -138,10 +138,10 @@ def test_bfloat16_compute(ffn):
     overrides = {}
   else:
     overrides = dict(num_experts=0)
-    params = jax.jit(model.build(tiny_config(**overrides)).init)(
+    params = jax.jit(model.build(tiny_model(**overrides)).init)(
         jax.random.key(0), tokens, seg)
-    apply = jax.jit(model.build(tiny_config(**overrides)).apply)
-  m = model.build(tiny_config(compute_dtype="bfloat16", **overrides))
+    apply = jax.jit(model.build(tiny_model(**overrides)).apply)
+  m = model.build(tiny_model(compute_dtype="bfloat16", **overrides))
   ref = np.asarray(apply(params, tokens, seg))
   out = np.asarray(jax.jit(m.apply)(params, tokens, seg))
   assert out.dtype == np.float32 and np.all(np.isfinite(out))
@@ -161,7 +161,7 @@ def test_bfloat16_compute(ffn):
 
 
 def test_param_count_and_summary():
-  cfg = ling3_tiny.get_config().model
+  cfg = config.ModelConfig.from_config(ling3_tiny.get_config().model)
   params = model.abstract_params(cfg)
   n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
   assert n == model.param_count(cfg)
@@ -204,7 +204,7 @@ def test_ling_pattern():
 ])
 def test_bad_config(overrides, match):
   with pytest.raises(ValueError, match=match):
-    model.build(tiny_config(**overrides))
+    model.build(tiny_model(**overrides))
 
 
 def test_bad_inputs():
@@ -221,13 +221,22 @@ def test_bad_inputs():
     m.init(key, np.zeros((8,), np.int32))
   with pytest.raises(ValueError, match=r"\[0, 32\)"):
     m.init(key, tokens + VOCAB)
-  with pytest.raises(ValueError, match="lacks the required key"):
-    model.build({"vocab_size": 8})
   # Under jit an out-of-range id cannot raise: it reads NaN, never clips.
   params, apply = _setup("ling")
   bad, seg = _packed_row(6)
   bad[0, 5] = -1
   assert np.all(np.isnan(np.asarray(apply(params, bad, seg))[0, 5]))
+
+
+def test_an_untyped_model_config_is_refused_naming_the_fix():
+  """The library takes the model's settings typed: a `model` ConfigDict
+  or dict is refused by `config.typed_model` with what to pass."""
+  fix = r"pass kda_lm\.config\.ModelConfig\.from_config\(config\.model\)"
+  for untyped in (tiny_config(), {"vocab_size": 8}):
+    with pytest.raises(TypeError, match="kda_lm.model.build takes a "
+                       "kda_lm.config.ModelConfig, got .*: " + fix):
+      model.build(untyped)
+  assert config.typed_model(CONFIGS["ling"], "x") is CONFIGS["ling"]
 
 
 def test_packed_documents_get_their_own_rope_positions(monkeypatch):
@@ -236,7 +245,7 @@ def test_packed_documents_get_their_own_rope_positions(monkeypatch):
   relative, so the logits alone would barely show a document shifted to its
   row offset."""
   run = helpers.record_rope(monkeypatch)
-  m = model.build(tiny_config(attention_pattern="MM"))
+  m = model.build(tiny_model(attention_pattern="MM"))
   # Row 0 packed; row 1 + i: document i alone at the row start, padded.
   packed_tokens, packed_seg = _packed_row(5)
   tokens, seg = [packed_tokens[0]], [packed_seg[0]]
@@ -260,7 +269,7 @@ def test_packed_documents_get_their_own_rope_positions(monkeypatch):
 def test_every_entry_point_checks_through_segments_check():
   """The model, each layer and the op refuse bad ids with the one rule's
   message (float ids here), before any computation."""
-  m = tiny_config(attention_pattern="KM", d_model=16)
+  m = tiny_model(attention_pattern="KM", d_model=16)
   tokens = jnp.zeros((1, 10), jnp.int32)
   bad = np.array([[1, 1, 2, 2, 2, 0, 0, 3, 3, 1]], np.float32)
   built = model.build(m)
@@ -294,7 +303,7 @@ def test_kernel_settings_of_the_config_reach_the_op():
   def kernels(**kernel):
     cfg = tiny_config(kda_impl="pallas", attention_pattern="KM")
     cfg.kda_kernel.update(kernel)
-    m = model.build(cfg)
+    m = model.build(config.ModelConfig.from_config(cfg))
     params = jax.eval_shape(m.init, jax.random.key(0), tokens)
     return str(jax.make_jaxpr(m.apply)(params, tokens))
 

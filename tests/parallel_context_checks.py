@@ -22,6 +22,7 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import ling3_tiny  # noqa: E402
+from kda_lm import config as config_lib  # noqa: E402
 from kda_lm import model as model_lib  # noqa: E402
 from kda_lm.layers import conv, mla  # noqa: E402
 from kda_lm.ops.kda import pallas  # noqa: E402
@@ -229,7 +230,7 @@ def tiny_model():
                          vocab_size=32, kda_chunk_size=16,
                          num_mtp_layers=1).items():
     m[key] = value
-  return model_lib.build(m)
+  return model_lib.build(config_lib.ModelConfig.from_config(m))
 
 
 def model_errors(n=4):

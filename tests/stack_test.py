@@ -22,15 +22,13 @@ from testbed import numerics
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 # Dense layers 0-1, then the group KM three times (layers 2-7); MTP block.
-UNSCANNED = helpers.tiny_config(
+_STACK = dict(
     attention_pattern="KMKMKMKM", num_experts=4, num_experts_per_tok=2,
     num_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=2,
     num_mtp_layers=1, mtp_layer_kind="K")
-SCANNED = helpers.tiny_config(**dict(UNSCANNED, scan_layers=True))
-
-
-def _cfg(**overrides):
-  return config.ModelConfig.from_config(helpers.tiny_config(**overrides))
+UNSCANNED = helpers.tiny_model(**_STACK)
+SCANNED = helpers.tiny_model(**_STACK, scan_layers=True)
+_cfg = helpers.tiny_model
 
 
 def test_find_group_of_the_published_stacks():

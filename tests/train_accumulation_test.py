@@ -23,7 +23,7 @@ from testbed import numerics
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 # A dense layer, MoE layers with a scanned group (KM twice), an MTP block.
-MODEL = helpers.tiny_config(
+MODEL = dict(
     attention_pattern="KMKMKM", num_experts=4, num_experts_per_tok=2,
     num_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1,
     num_mtp_layers=1, router_bias_update_rate=0.01)
@@ -72,7 +72,7 @@ def test_accumulated_step_equals_the_whole_batch():
   # model and sums after it, whatever the layout (scanned and unrolled
   # training are equal: test_scanned_training_matches_unscanned), and the
   # scanned layout's stacked selection biases are the harder case.
-  cfg = helpers.tiny_config(**dict(MODEL, scan_layers=True))
+  cfg = helpers.tiny_model(**MODEL, scan_layers=True)
   init = state_lib.make_init_fn(model.build(cfg), optax.sgd(0.5), 16)
   state = jax.jit(init)(jax.random.PRNGKey(0))
   batch = jax.tree.map(jnp.asarray, _batch(1))
@@ -95,13 +95,12 @@ def test_accumulated_step_equals_the_whole_batch():
 
 
 def test_eval_step_in_pieces_equals_whole_logits():
-  cfg = helpers.tiny_config(**MODEL)
+  cfg = helpers.tiny_model(**MODEL)
   m = model.build(cfg)
   params = jax.jit(m.init)(jax.random.PRNGKey(0),
                            jnp.zeros((1, 16), jnp.int32))
   batch = jax.tree.map(jnp.asarray, _batch(2))
-  head = functools.partial(model.head_weight,
-                           config_lib.ModelConfig.from_config(cfg))
+  head = functools.partial(model.head_weight, cfg)
   whole = jax.jit(losses.make_eval_step(m))(params, batch)
   pieces = jax.jit(losses.make_eval_step(m, head_weight=head, chunks=4))(
       params, batch)
@@ -132,8 +131,9 @@ def test_scanned_training_matches_unscanned(tmp_path, data_dir):
     runs[scan] = state, np.array([loss for _, loss in _losses(workdir)])
   assert len(runs[True][1]) == 10
   np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-6)
-  params = stack.to_unscanned(runs[True][0].params,
-                              _config(data_dir).model)
+  params = stack.to_unscanned(
+      runs[True][0].params,
+      config_lib.ModelConfig.from_config(_config(data_dir).model))
   errs = jax.tree.map(numerics.rel_err, params, runs[False][0].params)
   assert max(jax.tree.leaves(errs)) < 1e-5
 

@@ -1,7 +1,7 @@
 """Hugging Face interop: `bailing_hybrid` (Ling 3.0) and `kimi_linear`
 (Kimi Linear) checkpoints in and out.
 
-* `convert`: `load_pretrained(path) -> (model config, params)` and
+* `convert`: `load_pretrained(path) -> (ModelConfig, params)` and
   `save_pretrained(model_config, params, path)`.
 * `formats`: `config.json` <-> the `model` section, and what each format
   cannot express.

@@ -1,5 +1,5 @@
 """`load_pretrained` and `save_pretrained`: a Hugging Face checkpoint
-directory <-> (kda-lm's `model` config, its parameter tree).
+directory <-> (kda-lm's typed model config, its parameter tree).
 
 Loading streams: tensors are read one at a time, shard by shard, each
 converted to kda-lm's layout and cast to its parameter's dtype at once (on
@@ -16,7 +16,6 @@ from typing import Any, Optional, Union
 from absl import logging
 import haiku as hk
 import jax
-import ml_collections
 import numpy as np
 
 from kda_lm import config as config_lib
@@ -71,7 +70,7 @@ def _placer(abstract: Any, mesh: Optional[jax.sharding.Mesh]):
 def load_pretrained(path: str, *, dtype: Optional[str] = None,
                     mesh: Optional[jax.sharding.Mesh] = None,
                     scan_layers: bool = False
-                    ) -> tuple[ml_collections.ConfigDict, hk.Params]:
+                    ) -> tuple[config_lib.ModelConfig, hk.Params]:
   """Reads a `bailing_hybrid` or `kimi_linear` checkpoint directory.
 
   Args:
@@ -86,8 +85,9 @@ def load_pretrained(path: str, *, dtype: Optional[str] = None,
       placed once stacked (the host holds the whole tree for a moment).
 
   Returns:
-    (the `model` ConfigDict, the parameter tree): `kda_lm.model.build(
-    model_config).apply(params, tokens, segment_ids)` gives the logits.
+    (the model's `ModelConfig`, read here from `config.json`, the
+    parameter tree): `kda_lm.model.build(model_config).apply(params,
+    tokens, segment_ids)` gives the logits.
 
   Raises:
     ValueError: an unsupported format or field, a missing, unexpected or
@@ -95,17 +95,17 @@ def load_pretrained(path: str, *, dtype: Optional[str] = None,
   """
   hf = read_config(path)
   model_type = formats.model_type_of(hf)
-  model_config = formats.from_hf(hf, dtype=dtype)
+  cfg = config_lib.ModelConfig.from_config(
+      formats.from_hf(hf, dtype=dtype))
   if scan_layers:
     _, params = load_pretrained(path, dtype=dtype, mesh=None,
                                 scan_layers=False)
-    model_config.scan_layers = True
-    params = stack.to_scanned(jax.device_get(params), model_config)
+    cfg = dataclasses.replace(cfg, scan_layers=True)
+    params = stack.to_scanned(jax.device_get(params), cfg)
     if mesh is None:
-      return model_config, jax.device_put(params)
-    return model_config, jax.device_put(params, state_lib.state_shardings(
-        model_lib.abstract_params(model_config), mesh))
-  cfg = config_lib.ModelConfig.from_config(model_config)
+      return cfg, jax.device_put(params)
+    return cfg, jax.device_put(params, state_lib.state_shardings(
+        model_lib.abstract_params(cfg), mesh))
   abstract = model_lib.abstract_params(cfg)
   tmap = mapping.tensor_map(cfg, model_type)
   wmap = safetensors_io.weight_map(path)
@@ -139,7 +139,7 @@ def load_pretrained(path: str, *, dtype: Optional[str] = None,
     spec = abstract[module][name]
     params.setdefault(module, {})[name] = place(
         module, name, np.zeros(spec.shape, spec.dtype))
-  return model_config, params
+  return cfg, params
 
 
 def _hf_tensors(cfg, params, model_type, tmap):
@@ -149,14 +149,16 @@ def _hf_tensors(cfg, params, model_type, tmap):
     yield name, mapping.to_hf(t, value, model_type)
 
 
-def save_pretrained(model_config: Any, params: hk.Params, path: str, *,
+def save_pretrained(model_config: config_lib.ModelConfig, params: hk.Params,
+                    path: str, *,
                     max_shard_size: Union[int, str] = "5GB",
                     model_type: Optional[str] = None,
                     source_config: Optional[dict] = None) -> None:
   """Writes the checkpoint directory `transformers` reads.
 
   Args:
-    model_config: the `model` section (ConfigDict, dict or ModelConfig).
+    model_config: the model's settings, typed (`load_pretrained`'s, a
+      run's `RunConfig.model`).
     params: its parameter tree (either layout, `kda_lm.stack`).
     path: the output directory (created).
     max_shard_size: bytes per shard ("5GB", "200MB", an int); more than one
@@ -171,10 +173,9 @@ def save_pretrained(model_config: Any, params: hk.Params, path: str, *,
     ValueError: the format cannot express the config (names the option),
       a parameter it lacks is not zero, or `params` does not fit the config.
   """
-  cfg = config_lib.ModelConfig.from_config(model_config)
   if stack.is_scanned(params):
-    params = stack.to_unscanned(params, cfg)
-  cfg = dataclasses.replace(cfg, scan_layers=False)
+    params = stack.to_unscanned(params, model_config)
+  cfg = dataclasses.replace(model_config, scan_layers=False)
   model_type = model_type or formats.guess_model_type(cfg)
   hf = formats.to_hf(cfg, model_type, source_config)
   tmap = mapping.tensor_map(cfg, model_type)

@@ -29,7 +29,6 @@ import ml_collections
 from data import pipeline
 from data import tokenizer as tokenizer_lib
 from kda_lm import config as config_lib
-from kda_lm import model as model_lib
 from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import workdir as workdir_lib
 from kda_lm.hf import convert, formats
@@ -159,13 +158,12 @@ def export_checkpoint(workdir: str, hf_dir: str, *,
       `save_pretrained`).
   """
   run = state_lib.load_run(workdir)
-  model_lib.build(run.config.model)   # Validates before writing.
   source = None
   source_path = os.path.join(run.workdir, SOURCE_CONFIG)
   if os.path.isfile(source_path):
     with open(source_path) as f:
       source = json.load(f)
-  convert.save_pretrained(run.config.model, run.params, hf_dir,
+  convert.save_pretrained(run.model, run.params, hf_dir,
                           max_shard_size=max_shard_size,
                           model_type=model_type, source_config=source)
   write_tokenizer(state_lib.run_tokenizer(run), hf_dir)

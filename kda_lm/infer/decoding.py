@@ -9,7 +9,7 @@ short-convolution windows: a size that does not depend on the length) or an
 [B,S,R] of every past position, first valid slot and length per row). The
 feed-forwards (dense, MoE) and norms need none; MTP layers are not used.
 
-  decoder = decoding.Decoder(config.model, max_len=256)
+  decoder = decoding.Decoder(run.model, max_len=256)   # a ModelConfig
   tokens, segment_ids = decoding.left_pad([[3, 4, 5], [7]])
   logits_BTW, cache = decoder.prefill(params, tokens, segment_ids)
   logits_BW, cache = decoder.step(params, next_B, cache)   # cache donated
@@ -87,17 +87,18 @@ class Decoder:
       cache)`, cache donated.
   """
 
-  def __init__(self, model_config: Any, max_len: int):
+  def __init__(self, model_config: config_lib.ModelConfig, max_len: int):
     """Builds the functions.
 
     Args:
-      model_config: the `model` section or a `ModelConfig`.
+      model_config: the model's settings, typed (a run's `Run.model`).
       max_len: S >= 1, the longest prompt + continuation to decode.
 
     Raises:
-      ValueError: a bad config or max_len.
+      TypeError: `model_config` is not a `ModelConfig`.
+      ValueError: a bad max_len.
     """
-    self.cfg = config_lib.ModelConfig.from_config(model_config)
+    self.cfg = model_config
     if isinstance(max_len, bool) or not isinstance(max_len, int) or (
         max_len < 1):
       raise ValueError(f"max_len must be a positive int, got {max_len!r}.")

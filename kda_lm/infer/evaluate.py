@@ -85,10 +85,16 @@ def _stack(rows: list[dict[str, np.ndarray]]) -> Batch:
   return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
-def make_eval_step(model_config: Any, token_bytes: Any = None):
-  """The jitted shared eval step (`losses.make_eval_step`) of a model."""
-  head = functools.partial(model_lib.head_weight,
-                           config_lib.ModelConfig.from_config(model_config))
+def make_eval_step(model_config: config_lib.ModelConfig,
+                   token_bytes: Any = None):
+  """The jitted shared eval step (`losses.make_eval_step`) of a model.
+
+  Args:
+    model_config: the model's settings, typed.
+    token_bytes: UTF-8 bytes per token id (`pipeline.token_bytes`), for
+      bits per byte; None counts one byte per scored token.
+  """
+  head = functools.partial(model_lib.head_weight, model_config)
   return jax.jit(losses.make_eval_step(model_lib.build(model_config),
                                        token_bytes, head_weight=head))
 
@@ -135,13 +141,15 @@ def _packed_batches(data_config, workdir, num_docs, batch_size):
     yield batch
 
 
-def evaluate_run(config: ml_collections.ConfigDict, params: hk.Params,
+def evaluate_run(model_config: config_lib.ModelConfig,
+                 data: ml_collections.ConfigDict, params: hk.Params,
                  workdir: str, num_docs: int | None = None
                  ) -> dict[str, dict[str, float]]:
   """Scores the validation split per document and packed (resets on/off).
 
   Args:
-    config: the training config (its `model` and `data` sections).
+    model_config: the model's settings, typed (`Run.model`).
+    data: the training config's `data` section.
     params: the parameters.
     workdir: the run directory (the default TFDS data dir lives there).
     num_docs: only the first N validation documents; None = all.
@@ -150,10 +158,9 @@ def evaluate_run(config: ml_collections.ConfigDict, params: hk.Params,
     {"per document": ..., "packed, resets on": ...,
     "packed, resets off": ...}, each `score`'s dict.
   """
-  data = config.data
   seq_len, batch_size = int(data.seq_len), int(data.batch_size)
-  vocab = int(config.model.vocab_size)
-  eval_step = make_eval_step(config.model, pipeline.token_bytes(
+  vocab = model_config.vocab_size
+  eval_step = make_eval_step(model_config, pipeline.token_bytes(
       data, pipeline.resolve_data_dir(data, workdir)))
   docs = _documents(data, workdir, num_docs).as_numpy_iterator()
   results = {"per document": score(
@@ -191,8 +198,8 @@ def main(argv):
   print(f"{run.workdir}, checkpoint of step {run.step}; validation split"
         + (f", first {_NUM_DOCS.value} documents" if _NUM_DOCS.value
            else ""))
-  print(format_table(evaluate_run(run.config, run.params, run.workdir,
-                                  _NUM_DOCS.value)))
+  print(format_table(evaluate_run(run.model, run.config.data, run.params,
+                                  run.workdir, _NUM_DOCS.value)))
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ def continue_prompt(run: state_lib.Run, prompt: str, max_new_tokens: int,
   if len(ids) > max_len:
     raise ValueError(f"The prompt has {len(ids)} tokens, more than "
                      f"--max_len={max_len}.")
-  decoder = decoding.Decoder(run.config.model, max_len)
+  decoder = decoding.Decoder(run.model, max_len)
   stats = {}
   out = decoding.generate(
       decoder, run.params, [ids], max_new_tokens=max_new_tokens,
@@ -139,7 +139,7 @@ def copy_accuracy(run: state_lib.Run, num_docs: int, batch_size: int
   if not docs:
     raise ValueError("No validation document is longer than the delay.")
   longest = max(len(d) for d in docs)
-  decoder = decoding.Decoder(run.config.model, longest - 1)
+  decoder = decoding.Decoder(run.model, longest - 1)
   correct = total = 0
   start = time.time()
   for i in range(0, len(docs), batch_size):

@@ -144,9 +144,8 @@ def build_steps(cfg: config_lib.RunConfig, mesh: jax.sharding.Mesh) -> Steps:
           out_shardings=(shardings, replicated), donate_argnums=0)),
       eval_step=on_mesh(jax.jit(
           losses.make_eval_step(
-              model, head_weight=functools.partial(
-                  model_lib.head_weight,
-                  config_lib.ModelConfig.from_config(cfg.model)),
+              model, head_weight=functools.partial(model_lib.head_weight,
+                                                   cfg.model),
               chunks=cfg.train.loss_chunks),
           in_shardings=(shardings.params, batch_sharding),
           out_shardings=replicated)),

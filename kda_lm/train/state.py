@@ -139,11 +139,14 @@ class Run(NamedTuple):
     config: the training config (a ConfigDict from `config.json`).
     params: the newest checkpoint's parameters.
     step: that checkpoint's step.
+    model: `config.model`, typed (read once by `load_run`); None in a
+      `Run` made without a model (one that only reads its data).
   """
   workdir: str
   config: ml_collections.ConfigDict
   params: hk.Params
   step: int
+  model: config_lib.ModelConfig | None = None
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
@@ -227,4 +230,5 @@ def load_run(workdir: str) -> Run:
     manager.close()
   if state is None:
     raise FileNotFoundError(f"No complete checkpoint in {directory}: {hint}")
-  return Run(workdir, config, state.params, int(jax.device_get(state.step)))
+  return Run(workdir, config, state.params, int(jax.device_get(state.step)),
+             cfg.model)

@@ -7,7 +7,7 @@ step (`losses.make_eval_step`) over a set of batches. Nothing here reads
 files or owns a device: `kda_lm.train.loop` jits and runs these.
 """
 
-from typing import Any, Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import haiku as hk
 import jax
@@ -122,7 +122,8 @@ def _grads_and_extra(loss_fn, params, batch: Batch, n: int, denominators):
 
 
 def make_update_fn(model: hk.Transformed, tx: optax.GradientTransformation,
-                   schedule: optax.Schedule, model_config: Any = None,
+                   schedule: optax.Schedule,
+                   model_config: config_lib.ModelConfig | None = None,
                    grad_accum_steps: int = 1, loss_chunks: int = 1,
                    update_norm: bool = False
                    ) -> Callable[[TrainState, Batch],
@@ -142,24 +143,34 @@ def make_update_fn(model: hk.Transformed, tx: optax.GradientTransformation,
   Metrics: `loss`, `accuracy`, `grad_norm`, `lr`, and `update_norm` (the
   global norm of the optimizer's update) with `update_norm` set
   (`config.train.log_update_norm`: a pass over every update of its own).
+
+  Args:
+    model: the built model (`kda_lm.model.build`).
+    tx: the optimizer.
+    schedule: its learning rate per step (logged as `lr`).
+    model_config: the model's settings, typed (`RunConfig.model`); None
+      for a model that is not `kda_lm.model`'s (the LM head then runs
+      inside `model.apply`).
+    grad_accum_steps: micro-batches per step.
+    loss_chunks: strided pieces of each row the LM head and the loss run
+      over (`config.train.loss_chunks`; > 1 needs `model_config`).
+    update_norm: also log `update_norm`.
   """
-  cfg = (None if model_config is None
-         else config_lib.ModelConfig.from_config(model_config))
-  bias_slots = (model_lib.router_bias_slots(cfg)
-                if cfg is not None and cfg.num_experts else [])
-  loss_fn = _loss_fn(model, cfg, loss_chunks)
+  has_moe = model_config is not None and model_config.num_experts > 0
+  bias_slots = model_lib.router_bias_slots(model_config) if has_moe else []
+  loss_fn = _loss_fn(model, model_config, loss_chunks)
 
   def update(state: TrainState, batch: Batch):
     grads, extra = _grads_and_extra(loss_fn, state.params, batch,
                                     grad_accum_steps,
-                                    _denominators(batch, cfg))
+                                    _denominators(batch, model_config))
     with jax.named_scope("optimizer"):    # Names the ops in profiles.
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
     if bias_slots:
       params = moe.update_selection_biases(
           params, state.params, extra["expert_load"], bias_slots,
-          float(cfg.router_bias_update_rate))
+          float(model_config.router_bias_update_rate))
     rng, _ = jax.random.split(state.rng)
     metrics = {
         "loss": extra["main_loss"],
