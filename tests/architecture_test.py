@@ -238,3 +238,86 @@ def test_no_test_module_imports_another(tmp_path):
   fake.write_text("import model_test\nfrom train_loop_test import x\n"
                   "import helpers\nimport kda_support\n")
   assert imported_test_modules(str(fake)) == ["model_test", "train_loop_test"]
+
+
+# Where a `model` section (ConfigDict, dict) is read into its
+# `kda_lm.config.ModelConfig`: the edges, each function listed (None: the
+# whole module). Below them the library takes the typed config, and
+# `config.typed_model` refuses anything else.
+MODEL_CONFIG_EDGES = {
+    "kda_lm.config": None,               # The class; check_config.
+    "kda_lm.model": {"_main"},           # python -m kda_lm.model
+    "kda_lm.hf.formats": {"from_hf"},    # config.json, checked.
+    "kda_lm.hf.convert": {"load_pretrained"},  # The import's config.
+}
+
+
+def _is_model_config(node: ast.AST) -> bool:
+  """Whether an expression names the class (`config_lib.ModelConfig`)."""
+  return (isinstance(node, ast.Name) and node.id == "ModelConfig") or (
+      isinstance(node, ast.Attribute) and node.attr == "ModelConfig")
+
+
+def _reads_model_config(call: ast.Call) -> bool:
+  """`ModelConfig.from_config(x)` or `from_config(ModelConfig, x, ...)`."""
+  f = call.func
+  name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+  if name != "from_config":
+    return False
+  return (isinstance(f, ast.Attribute) and _is_model_config(f.value)) or (
+      bool(call.args) and _is_model_config(call.args[0]))
+
+
+def _calls(node: ast.AST, scope: tuple = ()):
+  """(names of the enclosing functions, call) of every call under node."""
+  for child in ast.iter_child_nodes(node):
+    if isinstance(child, ast.Call):
+      yield scope, child
+    inner = scope
+    if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      inner = scope + (child.name,)
+    yield from _calls(child, inner)
+
+
+def model_config_reads() -> list[str]:
+  """`module.function:line` of each read of a `ModelConfig` in kda_lm/
+  outside `MODEL_CONFIG_EDGES`."""
+  found = []
+  for module, path in package_modules():
+    edges = MODEL_CONFIG_EDGES.get(module, set())
+    if not module.startswith("kda_lm") or edges is None:
+      continue
+    with open(path, encoding="utf-8") as f:
+      tree = ast.parse(f.read())
+    for scope, call in _calls(tree):
+      if _reads_model_config(call) and not edges & set(scope):
+        where = ".".join(scope) or "<module>"
+        found.append(f"{module}.{where}:{call.lineno}")
+  return found
+
+
+def test_the_model_config_is_read_only_at_the_edges(tmp_path, monkeypatch):
+  """The library takes `ModelConfig`, read once where a config enters; the
+  check is shown to see a read anywhere else, nested or not, and to let an
+  edge function through."""
+  assert model_config_reads() == [], model_config_reads()
+  fake = tmp_path / "m.py"
+  fake.write_text(
+      "from kda_lm import config as config_lib\n"
+      "from kda_lm.config import ModelConfig, from_config\n"
+      "def _main(c):\n"
+      "  return config_lib.ModelConfig.from_config(c.model)\n"
+      "def build(c):\n"
+      "  def inner():\n"
+      "    return ModelConfig.from_config(c)\n"
+      "  return from_config(config_lib.ModelConfig, c, 'model')\n"
+      "x = config_lib.OptConfig.from_config({})\n"
+      "y = config_lib.ModelConfig.from_config({})\n")
+  monkeypatch.setitem(globals(), "package_modules", lambda: iter(
+      [("kda_lm.model", str(fake)), ("kda_lm.infer.fake", str(fake)),
+       ("kda_lm.config", str(fake)), ("data.fake", str(fake))]))
+  assert model_config_reads() == [
+      "kda_lm.model.build.inner:7", "kda_lm.model.build:8",
+      "kda_lm.model.<module>:10",
+      "kda_lm.infer.fake._main:4", "kda_lm.infer.fake.build.inner:7",
+      "kda_lm.infer.fake.build:8", "kda_lm.infer.fake.<module>:10"]
