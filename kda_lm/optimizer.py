@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from kda_lm import config as config_lib
+from kda_lm import stack
 
 # Parameters that never get weight decay, by name, besides all < 2-D arrays
 # and everything under a module whose name contains "norm": KDA's gate
@@ -25,7 +26,8 @@ def weight_decay_mask(params: hk.Params) -> hk.Params:
   Decayed: arrays of rank >= 2 whose name is not in `NO_DECAY_NAMES` and
   whose module path has no "norm" (embeddings, projections, conv kernels,
   experts). Not decayed: norms, biases, `A_log`, `dt_bias`, MoE selection
-  biases.
+  biases. A scanned group's parameters (`stack.is_stacked`) are ranked
+  without their repeat axis, so the mask does not depend on the layout.
 
   Args:
     params: a Haiku parameter dict (or its abstract shapes).
@@ -34,7 +36,8 @@ def weight_decay_mask(params: hk.Params) -> hk.Params:
     A tree of bools like `params`.
   """
   def decay(module: str, name: str, p: Any) -> bool:
-    return (len(p.shape) >= 2 and name not in NO_DECAY_NAMES
+    rank = len(p.shape) - stack.is_stacked(module)
+    return (rank >= 2 and name not in NO_DECAY_NAMES
             and "norm" not in module.lower())
   return hk.data_structures.map(decay, params)
 

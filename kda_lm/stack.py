@@ -93,6 +93,12 @@ def slot_name(j: int) -> str:
   return f"slot_{j}"
 
 
+def is_stacked(module: str) -> bool:
+  """Whether a module's parameters carry the scanned group's leading
+  repeat axis (a module under `SCAN_NAME`)."""
+  return module.split("/", 1)[0] == SCAN_NAME
+
+
 def _signature(cfg: config_lib.ModelConfig, i: int) -> tuple:
   """What layers of one scanned slot share: kind, FFN kind, clamps."""
   return cfg.attention_pattern[i], cfg.is_moe_layer(i), cfg.swiglu_limits(i)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from configs import ling3
-from kda_lm import config, model, stack
+from kda_lm import config, model, optimizer, stack
 from kda_lm.checkpoint import compat
 from kda_lm.infer import decoding
 from testbed import numerics
@@ -162,6 +162,22 @@ def _ulp_floor(grad_fn, params, seeds=(0, 1)):
                           params)
     floor = max(floor, numerics.rel_err(_flat(grad_fn(nudged)), base))
   return floor
+
+
+def test_the_decay_mask_is_the_same_in_either_layout():
+  """Scanned training equals unrolled when the gradients do (above) and
+  every parameter gets the same optimizer rule: the weight-decay mask,
+  decided by rank and name, must not change when a layer's parameters
+  are stacked (a stacked bias has rank 2)."""
+  params = _params()
+  scanned = stack.to_scanned(params, UNSCANNED)
+  filled = lambda mask, p: jax.tree.map(
+      lambda b, a: np.full(a.shape, b), mask, p)
+  got = stack.to_unscanned(
+      filled(optimizer.weight_decay_mask(scanned), scanned), SCANNED)
+  want = filled(optimizer.weight_decay_mask(params), params)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  assert not all(jax.tree.leaves(optimizer.weight_decay_mask(scanned)))
 
 
 def test_remat_policies_keep_gradients_and_save_less_and_less():
