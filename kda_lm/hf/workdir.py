@@ -45,7 +45,7 @@ def _initial_state(run, params, mesh) -> state_lib.TrainState:
   imported parameters."""
   layout = state_lib.run_state_layout(run, mesh)
   return jax.jit(layout.init, out_shardings=layout.shardings)(
-      jax.random.PRNGKey(run.train.seed), params)
+      state_lib.init_key(run), params)
 
 
 def import_checkpoint(hf_dir: str, workdir: str,

@@ -117,7 +117,7 @@ def build_steps(cfg: config_lib.RunConfig, mesh: jax.sharding.Mesh) -> Steps:
   tx, schedule = optimizer.make_optimizer(cfg.opt, cfg.train.num_steps)
   layout = state_lib.state_layout(model, tx, cfg.data.seq_len, mesh,
                                   cfg.train.init_rng)
-  rng = jax.random.PRNGKey(cfg.train.seed)
+  rng = state_lib.init_key(cfg)
   abstract, shardings = layout.abstract, layout.shardings
   num_params = sum(int(np.prod(a.shape))
                    for a in jax.tree.leaves(abstract.params))

@@ -109,10 +109,16 @@ def state_layout(model: hk.Transformed, tx: optax.GradientTransformation,
                      shardings)
 
 
+def init_key(cfg: config_lib.RunConfig) -> jax.Array:
+  """The key a run's `init` starts from (`config.train.seed`): the loop's
+  fresh runs and the Hugging Face import's step 0 alike."""
+  return jax.random.PRNGKey(cfg.train.seed)
+
+
 def run_state_layout(cfg: config_lib.RunConfig, mesh: jax.sharding.Mesh
                      ) -> StateLayout:
   """`state_layout` of a run's model and optimizer (start its `init` from
-  `jax.random.PRNGKey(cfg.train.seed)`)."""
+  `init_key(cfg)`)."""
   tx, _ = optimizer.make_optimizer(cfg.opt, cfg.train.num_steps)
   return state_layout(model_lib.build(cfg.model), tx, cfg.data.seq_len,
                       mesh, cfg.train.init_rng)
