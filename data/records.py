@@ -179,63 +179,23 @@ class DocumentsInfo:
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings(corpus.CorpusSettings):
-  """The `config.data` fields every record source has (the one home of
-  their defaults); a source subclasses it with its own."""
-  # "bytes" (UTF-8 bytes, 256 ids), "bpe" (a byte-level BPE learnt on
-  # this corpus's training split, built once per data dir) or "hf:PATH" (a
-  # released model's tokenizer.json).
-  tokenizer: str = "bytes"
-  bpe_vocab_size: int = 4096      # BPE: token ids (the model's vocabulary).
-  # BPE: a byte-level tokenizer.json; "" = the one built (once) for this
-  # corpus under <data_dir>/tokenizers. Where it lives may change on resume.
-  tokenizer_path: str = ""
+class Settings(corpus.TokenizedSettings):
+  """The `config.data` fields every record source has
+  (`corpus.TokenizedSettings`'s and these; the one home of their
+  defaults); a source subclasses it with its own."""
   text_field: str = "text"        # The record's field holding the text.
-  # % of records held out for validation (by hash) where the source has no
-  # validation split of its own, in [1, 99].
-  validation_percent: int = 5
   # Skip (and count) bad records and files instead of stopping.
   skip_bad_records: bool = False
-  # bpe, hf: the tokenizer's SHA-256; "" = filled in when the run starts.
-  # A resume with another file is refused (it changes the data).
-  tokenizer_sha256: str = ""
 
   FEATURES = ("tokens",)
   # The name of a record's place in its source: "line", "row", "record".
   UNIT = "record"
 
   def __post_init__(self):
-    if not isinstance(self.validation_percent, int) or not (
-        1 <= self.validation_percent <= 99):
-      raise ValueError(f"config.data.validation_percent must be an int in "
-                       f"[1, 99], got {self.validation_percent!r}.")
-    if self.tokenizer not in text_files.TOKENIZERS and not (
-        tokenizer_lib.hf_path(self.tokenizer)):
-      raise ValueError(
-          f"config.data.tokenizer of a {type(self).__module__} corpus must "
-          f"be one of {text_files.TOKENIZERS} or 'hf:PATH' (a "
-          f"tokenizer.json), got {self.tokenizer!r}.")
-    if self.is_bpe:
-      tokenizer_lib.check_vocab_size(self.bpe_vocab_size)
+    super().__post_init__()
     if not self.text_field:
       raise ValueError("config.data.text_field must name the field (column) "
                        "of the text, e.g. 'text'.")
-
-  @property
-  def is_bpe(self) -> bool:
-    return self.tokenizer == "bpe"
-
-  @property
-  def hf_path(self) -> str:
-    """The released model's tokenizer.json, or "" for bytes."""
-    return tokenizer_lib.hf_path(self.tokenizer)
-
-  def data_vocab_size(self) -> int:
-    if self.is_bpe:
-      return self.bpe_vocab_size
-    if not self.hf_path:
-      return text_files.VOCAB_SIZE
-    return tokenizer_lib.vocab_size(tokenizer_lib.load_hf(self.hf_path))
 
   def mean_length(self, info: DocumentsInfo, split: str) -> float:
     del split

@@ -54,8 +54,7 @@ from data import builders, corpus
 from data import tokenizer as tokenizer_lib
 
 SPLITS = ("train", "validation")
-VOCAB_SIZE = 256
-TOKENIZERS = ("bytes", "bpe")
+VOCAB_SIZE = corpus.BYTE_VOCAB_SIZE
 _ENCODE_FILES = 64   # Files tokenized together (in parallel threads).
 _EXCLUDED_DIRS = ("site-packages", "dist-packages")
 
@@ -216,55 +215,18 @@ def check_bpe(path: str, sha256: str, vocab_size: int) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings(corpus.CorpusSettings):
+class Settings(corpus.TokenizedSettings):
   """The `config.data` fields of the text_files dataset, validated (the one
-  home of its defaults)."""
+  home of its defaults): `corpus.TokenizedSettings`'s and these."""
   glob: str = ""                  # Files ("" = the stdlib's .py files).
-  validation_percent: int = 5     # % of files for validation, in [1, 99].
-  tokenizer: str = "bytes"        # "bytes" (256 ids) or "bpe".
-  bpe_vocab_size: int = 4096      # BPE: token ids (the model's vocabulary).
   tokenizer_seed: int = 0         # BPE: picks the files merges are learnt on.
-  # BPE: a byte-level tokenizer.json; "" = the one built (once) for this
-  # corpus under <data_dir>/tokenizers. Where it lives may change on resume.
-  tokenizer_path: str = ""
-  # BPE: its SHA-256; "" = filled in when the run starts. A resume with a
-  # tokenizer of another checksum is refused (it changes the data).
-  tokenizer_sha256: str = ""
 
   # Features each document carries into the pipeline.
   FEATURES = ("tokens",)
 
-  def __post_init__(self):
-    if not isinstance(self.validation_percent, int) or not (
-        1 <= self.validation_percent <= 99):
-      raise ValueError(f"text_files validation_percent must be an int in "
-                       f"[1, 99], got {self.validation_percent!r}.")
-    if self.tokenizer not in TOKENIZERS and not tokenizer_lib.hf_path(
-        self.tokenizer):
-      raise ValueError(f"text_files tokenizer must be one of {TOKENIZERS} "
-                       "or 'hf:PATH' (a tokenizer.json), "
-                       f"got {self.tokenizer!r}.")
-    if self.tokenizer == "bpe":
-      tokenizer_lib.check_vocab_size(self.bpe_vocab_size)
-
-  @property
-  def is_bpe(self) -> bool:
-    return self.tokenizer == "bpe"
-
-  @property
-  def hf_path(self) -> str:
-    """A released model's tokenizer.json ("hf:PATH"): the byte dataset is
-    tokenized in the pipeline (`records.tokenize_files`); else ""."""
-    return tokenizer_lib.hf_path(self.tokenizer)
-
   @property
   def tokenizes_in_pipeline(self) -> bool:
     return bool(self.hf_path)
-
-  def data_vocab_size(self) -> int:
-    if self.hf_path:
-      return tokenizer_lib.vocab_size(tokenizer_lib.load_hf(self.hf_path))
-    return self.bpe_vocab_size if self.is_bpe else VOCAB_SIZE
 
   def mean_length(self, info: Any, split: str) -> float:
     """Mean document length (tokens) of a split, for the packing window."""

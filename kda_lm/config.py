@@ -329,19 +329,9 @@ class ModelConfig:
 
 
 def typed_model(model_config: Any, where: str) -> ModelConfig:
-  """`model_config` if it is a `ModelConfig`, else a TypeError.
-
-  Args:
-    model_config: what a caller gave as the model's settings.
-    where: the function that needs them, named in the message.
-
-  Returns:
-    `model_config`, unchanged.
-
-  Raises:
-    TypeError: anything but a `ModelConfig` (a ConfigDict, a dict); the
-      message says how to read one.
-  """
+  """`model_config` unchanged if it is a `ModelConfig`; anything else (a
+  ConfigDict, a dict) is a TypeError naming `where` (the function that
+  needs it) and how to read one."""
   if isinstance(model_config, ModelConfig):
     return model_config
   raise TypeError(
@@ -486,11 +476,9 @@ class CheckpointConfig:
   # train state is at least 256 MiB per process (a smaller one is written
   # faster than the loop loses to the thread: manager.ASYNC_MIN_BYTES).
   async_save: Optional[bool] = None
-  # Where the checkpoints go. None: <workdir>/checkpoints. Else a local
-  # path or an object-store URL (gs://bucket/run/checkpoints), read and
-  # written through etils.epath; the workdir keeps the lock, config.json
-  # and the metrics either way, and inference finds the checkpoints
-  # through the config.json there.
+  # Where the checkpoints go: None = <workdir>/checkpoints, or a local path
+  # or URL (gs://bucket/run/checkpoints, through etils.epath); the workdir
+  # keeps the lock, config.json (which inference reads) and the metrics.
   directory: Optional[str] = None
 
   def __post_init__(self):
