@@ -163,7 +163,7 @@ def test_sharded_step_equals_one_device(impl):
   assert result.returncode == 0, result.stderr[-4000:]
   results = json.loads(result.stdout.strip().splitlines()[-1])
   # The kernels run in interpret mode: one mesh with both batch axes.
-  meshes = (("fsdp4", "data4", "data2_fsdp2") if impl == "xla,xla"
+  meshes = (("fsdp4", "data2_fsdp2") if impl == "xla,xla"
             else ("data2_fsdp2",))
   impl = impl.replace(",", "_")
   assert sorted(results) == sorted(
