@@ -118,6 +118,13 @@ def test_imports_run_only_downwards():
   assert not violations(), "\n".join(violations())
 
 
+def _violations_as(monkeypatch, path, modules):
+  """`violations()` of the file `path` read as each of `modules`."""
+  monkeypatch.setitem(globals(), "package_modules", lambda: iter(
+      [(m, str(path)) for m in modules]))
+  return violations()
+
+
 def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
   """A test that cannot fail is a defect: upward imports, and imports of
   what sits above every room, are reported."""
@@ -129,10 +136,8 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
   assert imports(str(fake)) == [
       "kda_lm.train.loop", "kda_lm.ops", "kda_lm.parallel.sharding",
       "configs.ling3_tiny", "helpers", "testbed.numerics"]
-  monkeypatch.setitem(globals(), "package_modules", lambda: iter(
-      [("kda_lm.infer.fake", str(fake)), ("kda_lm.layers.fake", str(fake)),
-       ("testbed.fake", str(fake))]))
-  assert violations() == [
+  assert _violations_as(monkeypatch, fake, (
+      "kda_lm.infer.fake", "kda_lm.layers.fake", "testbed.fake")) == [
       "kda_lm.infer.fake imports kda_lm.train.loop "
       "(kda_lm.infer -> kda_lm.train)",
       "kda_lm.infer.fake imports configs.ling3_tiny (above every room)",
@@ -160,10 +165,8 @@ def test_the_train_state_is_a_room_of_its_own(tmp_path, monkeypatch):
   fake = tmp_path / "m.py"
   fake.write_text("from kda_lm.train import state\n"
                   "from kda_lm.train import step\n")
-  monkeypatch.setitem(globals(), "package_modules", lambda: iter(
-      [("kda_lm.infer.fake", str(fake)), ("kda_lm.hf.fake", str(fake)),
-       ("kda_lm.train.state", str(fake))]))
-  assert violations() == [
+  assert _violations_as(monkeypatch, fake, (
+      "kda_lm.infer.fake", "kda_lm.hf.fake", "kda_lm.train.state")) == [
       "kda_lm.infer.fake imports kda_lm.train.step "
       "(kda_lm.infer -> kda_lm.train)",
       "kda_lm.hf.fake imports kda_lm.train.step "
