@@ -476,9 +476,10 @@ class CheckpointConfig:
   # train state is at least 256 MiB per process (a smaller one is written
   # faster than the loop loses to the thread: manager.ASYNC_MIN_BYTES).
   async_save: Optional[bool] = None
-  # Where the checkpoints go: None = <workdir>/checkpoints, or a local path
-  # or URL (gs://bucket/run/checkpoints, through etils.epath); the workdir
-  # keeps the lock, config.json (which inference reads) and the metrics.
+  # Where the checkpoints go: None = <workdir>/checkpoints, or a URL
+  # (gs://bucket/run/checkpoints, through etils.epath) or a local path (a
+  # relative one from the workdir); the workdir keeps the lock, config.json
+  # (which inference reads) and the metrics.
   directory: Optional[str] = None
 
   def __post_init__(self):

@@ -239,7 +239,7 @@ def to_unscanned(params: Mapping[str, Any], cfg: config_lib.ModelConfig
 
 def is_scanned(params: Mapping[str, Any]) -> bool:
   """Whether a parameter tree is in the scanned layout."""
-  return any(m.startswith(SCAN_NAME + "/") for m in params)
+  return any(is_stacked(m) for m in params)
 
 
 def to_layout(params: Mapping[str, Any], cfg: config_lib.ModelConfig

@@ -231,3 +231,16 @@ def test_a_recorded_config_gets_the_keys_added_since(data_dir, tmp_path):
   loaded = state.load_config(str(tmp_path))
   assert loaded.train.init_rng == "auto" and loaded.train.log_every == 7
   config_lib.check_config(loaded)
+
+
+def test_checkpoint_dir_default_relative_absolute_and_url(tmp_path):
+  """`config.checkpoint.directory`: none is <workdir>/checkpoints, a
+  relative path is taken from the workdir (the same from any working
+  directory), an absolute path and a URL as given."""
+  w = str(tmp_path / "run")
+  assert workdir.checkpoint_dir(w) == os.path.join(w, "checkpoints")
+  assert workdir.checkpoint_dir(w, "../store/c") == str(
+      tmp_path / "store" / "c")
+  assert workdir.checkpoint_dir(w, "/abs/c") == "/abs/c"
+  assert workdir.checkpoint_dir(w, "gs://b/run/c") == "gs://b/run/c"
+  assert workdir.recorded_checkpoint_dir(w) is None

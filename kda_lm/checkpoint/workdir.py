@@ -336,11 +336,13 @@ def read_config(workdir: str) -> dict[str, Any] | None:
 
 def checkpoint_dir(workdir: str, directory: Optional[str] = None) -> str:
   """Where a run's checkpoints live: `directory`
-  (`config.checkpoint.directory`; a local path made absolute, a URL such as
-  `gs://bucket/run` as given), or `<workdir>/checkpoints` without one."""
-  if directory:
-    return paths.absolute(directory)
-  return os.path.join(workdir, CHECKPOINT_DIR)
+  (`config.checkpoint.directory`: a URL such as `gs://bucket/run` as given,
+  a relative local path taken from the workdir, so that it means the same
+  from any working directory), or `<workdir>/checkpoints` without one."""
+  if directory and paths.is_remote(directory):
+    return directory
+  return paths.absolute(os.path.join(
+      workdir, os.path.expanduser(directory or CHECKPOINT_DIR)))
 
 
 def recorded_checkpoint_dir(workdir: str) -> Optional[str]:
