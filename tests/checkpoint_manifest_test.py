@@ -255,3 +255,12 @@ def test_a_files_sha256_is_its_contents(tmp_path):
   path.write_bytes(data)
   # pylint: disable-next=protected-access
   assert manifest._sha256(path) == hashlib.sha256(data).hexdigest()
+
+
+def test_has_entries_of_a_directory(tmp_path):
+  """A missing or empty directory holds no checkpoint; one with a file
+  does."""
+  assert not paths.has_entries(tmp_path / "missing")
+  assert not paths.has_entries(tmp_path)
+  (tmp_path / "1").mkdir()
+  assert paths.has_entries(tmp_path)

@@ -30,6 +30,12 @@ def absolute(path: epath.PathLike) -> str:
   return os.path.abspath(os.path.expanduser(path))
 
 
+def has_entries(directory: epath.PathLike) -> bool:
+  """Whether `directory` (local or a URL) exists and holds anything."""
+  path = epath.Path(directory)
+  return path.is_dir() and any(path.iterdir())
+
+
 def size(path: epath.Path) -> int:
   """A file's bytes.
 

@@ -43,7 +43,6 @@ import time
 from typing import Any, Callable, Mapping, NamedTuple
 
 from absl import logging
-from etils import epath
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 import ml_collections
@@ -55,6 +54,7 @@ from kda_lm import config as config_lib
 from kda_lm import flops, losses, optimizer
 from kda_lm import model as model_lib
 from kda_lm.checkpoint import manager as manager_lib
+from kda_lm.checkpoint import paths
 from kda_lm.checkpoint import workdir as workdir_lib
 from kda_lm.parallel import distributed, sharding
 from kda_lm.train import ahead as ahead_lib
@@ -216,8 +216,7 @@ def _refuse_moved_checkpoints(workdir: str, directory: str) -> None:
   before = workdir_lib.recorded_checkpoint_dir(workdir)
   if before is None or before == directory:
     return
-  path = epath.Path(before)
-  if path.is_dir() and any(path.iterdir()):
+  if paths.has_entries(before):
     raise ValueError(
         f"The run in {workdir} keeps its checkpoints in {before}, but "
         f"config.checkpoint.directory now points to {directory}, which "

@@ -14,7 +14,6 @@ below (`kda_lm.checkpoint` and lower).
 import os
 from typing import Any, Callable, NamedTuple
 
-from etils import epath
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ from kda_lm import config as config_lib
 from kda_lm import model as model_lib
 from kda_lm import optimizer, stack
 from kda_lm.checkpoint import manager as manager_lib
+from kda_lm.checkpoint import paths
 from kda_lm.checkpoint import workdir as workdir_lib
 from kda_lm.parallel import sharding
 
@@ -223,8 +223,7 @@ def load_run(workdir: str) -> Run:
   config = load_config(workdir)
   directory = workdir_lib.recorded_checkpoint_dir(workdir)
   hint = f"train first (python train.py --workdir={workdir})."
-  path = epath.Path(directory)
-  if not path.is_dir() or not any(path.iterdir()):
+  if not paths.has_entries(directory):
     raise FileNotFoundError(f"No checkpoint in {directory}: {hint}")
   cfg = config_lib.check_config(config)
   target = abstract_state(cfg, sharding.make_mesh(cfg.mesh))
