@@ -1,6 +1,8 @@
-"""Tests of train.ahead: background jobs, their errors, the abstract batch."""
+"""Tests of train.ahead: background jobs, their errors, the abstract batch,
+and the order in which the loop lowers and compiles the steps."""
 
 import threading
+import types
 
 import jax
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 
 from data import packing
 from kda_lm.train import ahead
+from kda_lm.train import loop as train_loop
 
 
 def test_wait_gives_each_jobs_seconds_and_runs_them_in_threads():
@@ -44,3 +47,84 @@ def test_abstract_batch_is_the_global_batch_of_the_pipeline_features():
     assert spec.dtype == np.dtype(packing.FEATURES[key].as_numpy_dtype)
   assert batch["inputs"].dtype == np.int32
   assert batch["loss_mask"].dtype == np.float32
+
+
+def test_a_job_name_starts_once():
+  calls = []
+  jobs = ahead.Ahead()
+  assert not jobs.started("a")
+  jobs.start("a", lambda: calls.append(1))
+  jobs.start("a", lambda: calls.append(2))
+  assert jobs.started("a") and sorted(jobs.wait()) == ["a"]
+  assert calls == [1]
+
+
+class _Program:
+  """A lowered step whose compilation is recorded."""
+
+  def __init__(self, name, events):
+    self.name, self.events = name, events
+
+  def compile(self):
+    self.events.append(("compiled", self.name))
+
+
+def _run_with_fake_steps(monkeypatch, events, num_steps=3):
+  """A `loop._Run` with only what `lower_steps` reads, whose lowerings
+  record which steps had started compiling when each was lowered."""
+  run = object.__new__(train_loop._Run)  # pylint: disable=protected-access
+  run.cfg = types.SimpleNamespace(
+      train=types.SimpleNamespace(num_steps=num_steps),
+      eval=types.SimpleNamespace(every_steps=1),
+      data=types.SimpleNamespace(batch_size=2, seq_len=8))
+  run.steps, run.lowered, run.ahead, run.phases = None, {}, None, []
+
+  def lowerings(steps, batch_size, seq_len, with_eval):
+    del steps, batch_size, seq_len
+    assert with_eval
+
+    def lower(name):
+      def traced():
+        started = [n for n in ("train step", "eval step")
+                   if run.ahead is not None and run.ahead.started(n)]
+        events.append(("lowered", name, started))
+        return _Program(name, events)
+      return traced
+    return {"train step": lower("train step"), "eval step": lower("eval step")}
+
+  monkeypatch.setattr(train_loop.ahead_lib, "lowerings", lowerings)
+  return run
+
+
+def test_a_fresh_run_compiles_each_step_once_it_is_lowered(monkeypatch):
+  events = []
+  run = _run_with_fake_steps(monkeypatch, events)
+  run.lower_steps(None)
+  run.ahead.wait()
+  # The train step compiled while the eval step was traced.
+  assert [e for e in events if e[0] == "lowered"] == [
+      ("lowered", "train step", []),
+      ("lowered", "eval step", ["train step"])]
+  assert sorted(e for e in events if e[0] == "compiled") == [
+      ("compiled", "eval step"), ("compiled", "train step")]
+  assert [name for name, _ in run.phases] == ["steps traced"]
+
+
+def test_a_resumed_run_compiles_only_after_its_checks(monkeypatch):
+  events = []
+  run = _run_with_fake_steps(monkeypatch, events)
+  run.lower_steps(1)
+  assert run.ahead is None and [e[0] for e in events] == ["lowered"] * 2
+  run.compile_ahead(1)
+  run.compile_ahead(1)   # Once.
+  run.ahead.wait()
+  assert sorted(events[2:]) == [("compiled", "eval step"),
+                                ("compiled", "train step")]
+
+
+def test_nothing_is_lowered_or_compiled_past_the_last_step(monkeypatch):
+  events = []
+  run = _run_with_fake_steps(monkeypatch, events, num_steps=3)
+  run.lower_steps(3)
+  run.compile_ahead(3)
+  assert events == [] and run.ahead is None and run.phases == []

@@ -1,21 +1,20 @@
 """The train and eval steps compiled ahead of their first call.
 
 A run's start-up is mostly compilation of three programs: the state's
-initialisation, the update step and the eval step. The steps are traced
-and lowered first (`lower_steps`, from their abstract arguments: the
-state's shapes and shardings, a global `[B,T]` batch of
-`data.packing.FEATURES`); `compile_steps` then compiles them in background
-threads while the main thread restores or initialises the state. JAX
-keeps each executable, so the first call of a step finds its program
+initialisation, the update step and the eval step. Each step is traced
+and lowered from its abstract arguments (the state's shapes and
+shardings, a global `[B,T]` batch of `data.packing.FEATURES`), then
+compiled in a background thread of `Ahead` while the main thread traces
+the next step, builds the data and restores or initialises the state.
+JAX keeps each executable, so the first call of a step finds its program
 compiled; XLA's compiler releases the GIL, so the compilations share the
-host's cores.
+host's cores with the main thread's work.
 """
 
 import threading
 import time
 from typing import Any, Callable, Mapping
 
-from absl import logging
 import jax
 import numpy as np
 
@@ -36,15 +35,25 @@ def abstract_batch(batch_size: int, seq_len: int,
 class Ahead:
   """Named jobs (compilations), each run in its own background thread."""
 
-  def __init__(self, jobs: Mapping[str, Callable[[], Any]]):
+  def __init__(self, jobs: Mapping[str, Callable[[], Any]] | None = None):
     self._seconds: dict[str, float] = {}
     self._errors: dict[str, BaseException] = {}
-    self._threads = [
-        threading.Thread(target=self._run, args=(name, job),
-                         name=f"kda_lm compile: {name}")
-        for name, job in jobs.items()]
-    for thread in self._threads:
-      thread.start()
+    self._threads: dict[str, threading.Thread] = {}
+    for name, job in (jobs or {}).items():
+      self.start(name, job)
+
+  def start(self, name: str, job: Callable[[], Any]) -> None:
+    """Runs `job` in a new thread, unless a job of that name was started."""
+    if name in self._threads:
+      return
+    thread = threading.Thread(target=self._run, args=(name, job),
+                              name=f"kda_lm compile: {name}")
+    self._threads[name] = thread
+    thread.start()
+
+  def started(self, name: str) -> bool:
+    """Whether a job of that name was started."""
+    return name in self._threads
 
   def _run(self, name: str, job: Callable[[], Any]) -> None:
     start = time.time()
@@ -56,7 +65,7 @@ class Ahead:
 
   def join(self) -> None:
     """Waits for every job (their errors are kept for `wait`)."""
-    for thread in self._threads:
+    for thread in list(self._threads.values()):
       thread.join()
 
   def wait(self) -> dict[str, float]:
@@ -72,21 +81,18 @@ class Ahead:
     return dict(self._seconds)
 
 
-def lower_steps(steps: Any, batch_size: int, seq_len: int,
-                with_eval: bool) -> dict[str, Any]:
-  """`steps.update` (and `steps.eval_step` when `with_eval`) traced and
-  lowered for the global batch of `batch_size` rows of `seq_len`, by name;
-  `steps` is `loop.Steps` (steps with a `lower` method). Tracing holds the
-  GIL, so it runs here, before the compilations share the cores."""
+def lowerings(steps: Any, batch_size: int, seq_len: int,
+              with_eval: bool) -> dict[str, Callable[[], Any]]:
+  """How to trace and lower `steps.update` (and `steps.eval_step` when
+  `with_eval`) for the global batch of `batch_size` rows of `seq_len`, by
+  name, in the order to run them; `steps` is `loop.Steps` (steps with a
+  `lower` method). Tracing holds the GIL, so each runs in the main
+  thread, the train step first: its compilation, the longest, can start
+  while the eval step is traced."""
   batch = abstract_batch(batch_size, seq_len, steps.batch_sharding)
-  lowered = {"train step": steps.update.lower(steps.abstract, batch)}
+  lowerings_ = {"train step": lambda: steps.update.lower(steps.abstract,
+                                                         batch)}
   if with_eval:
-    lowered["eval step"] = steps.eval_step.lower(steps.abstract.params,
-                                                 batch)
-  return lowered
-
-
-def compile_steps(lowered: Mapping[str, Any]) -> Ahead:
-  """Starts compiling each of `lower_steps`' programs in its own thread."""
-  logging.info("Compiling the %s in the background.", " and ".join(lowered))
-  return Ahead({name: program.compile for name, program in lowered.items()})
+    lowerings_["eval step"] = lambda: steps.eval_step.lower(
+        steps.abstract.params, batch)
+  return lowerings_

@@ -249,15 +249,8 @@ class _Run:
                                cfg.train.loss_chunks)
     self.steps = build_steps(cfg, mesh)
     self.phases.append(("model", time.time() - mark))
-    mark = time.time()
-    # Process 0 builds the TFDS data; the others then read it.
-    with distributed.main_process_first("kda_lm: data built"):
-      self.train_it = pipeline.make_train_iterator(cfg.data, workdir=workdir)
+    self.train_it = None        # The data (`build_data`).
     self.eval_batches = None
-    if cfg.eval.every_steps > 0:
-      self.eval_batches = pipeline.make_eval_iterator(
-          cfg.data, workdir=workdir, num_batches=cfg.eval.num_batches)
-    self.phases.append(("data", time.time() - mark))
     self.evaluated = False
     self.output = _Output(cfg, workdir, start_time, self.is_main)
     self.manager = None
@@ -297,23 +290,45 @@ class _Run:
                  ", ".join(f"{name} {s:.1f} s" for name, s in phases),
                  beside, self.cache_counts.text())
 
-  def lower_steps(self) -> None:
+  def build_data(self) -> None:
+    """The train iterator and, when the run evaluates, the eval batches."""
+    mark = time.time()
+    cfg, workdir = self.cfg, self.workdir
+    # Process 0 builds the TFDS data; the others then read it.
+    with distributed.main_process_first("kda_lm: data built"):
+      self.train_it = pipeline.make_train_iterator(cfg.data, workdir=workdir)
+    if cfg.eval.every_steps > 0:
+      self.eval_batches = pipeline.make_eval_iterator(
+          cfg.data, workdir=workdir, num_batches=cfg.eval.num_batches)
+    self.phases.append(("data", time.time() - mark))
+
+  def lower_steps(self, latest: int | None) -> None:
     """Traces and lowers the steps (`lowered`), unless the newest
-    checkpoint already reaches `train.num_steps`."""
-    latest = self.manager.latest_step() if self.manager else None
-    if latest is None or latest < self.cfg.train.num_steps:
-      mark = time.time()
-      self.lowered = ahead_lib.lower_steps(
-          self.steps, self.cfg.data.batch_size, self.cfg.data.seq_len,
-          with_eval=self.eval_batches is not None)
-      self.phases.append(("steps traced", time.time() - mark))
+    checkpoint, step `latest`, already reaches `train.num_steps`. With no
+    checkpoint (nothing to check first) each step starts compiling as soon
+    as it is lowered."""
+    if latest is not None and latest >= self.cfg.train.num_steps:
+      return
+    mark = time.time()
+    for name, lower in ahead_lib.lowerings(
+        self.steps, self.cfg.data.batch_size, self.cfg.data.seq_len,
+        with_eval=self.cfg.eval.every_steps > 0).items():
+      self.lowered[name] = lower()
+      if latest is None:
+        self.compile_ahead(0)
+    self.phases.append(("steps traced", time.time() - mark))
 
   def compile_ahead(self, start_step: int) -> None:
-    """Starts compiling the lowered steps in the background (`ahead`),
+    """Starts compiling each lowered step in the background (`ahead`),
     once, unless `start_step` already reaches `train.num_steps`."""
-    if (self.lowered and self.ahead is None
-        and start_step < self.cfg.train.num_steps):
-      self.ahead = ahead_lib.compile_steps(self.lowered)
+    if not self.lowered or start_step >= self.cfg.train.num_steps:
+      return
+    if self.ahead is None:
+      self.ahead = ahead_lib.Ahead()
+    for name, program in self.lowered.items():
+      if not self.ahead.started(name):
+        logging.info("Compiling the %s in the background.", name)
+        self.ahead.start(name, program.compile)
 
   def wait_for_steps(self) -> None:
     """Waits for the background compilation (re-raising its error)."""
@@ -379,9 +394,13 @@ def _restore_or_init(run: _Run) -> TrainState:
   """The newest complete checkpoint's state, else a fresh one; records the
   run's config and starts its output at the step it resumes from."""
   manager, changes, state = run.manager, [], None
-  run.lower_steps()
+  latest = manager.latest_step() if manager else None
+  if manager and latest is None:
+    _refuse_moved_checkpoints(run.workdir, manager.directory)
+  run.lower_steps(latest)
+  run.build_data()   # While the steps compile (a fresh run's).
   mark = time.time()
-  if manager:
+  if latest is not None:
     check = _resume_check(run.cfg, run.config_json, changes)
 
     def on_config(step: int, saved: dict[str, Any] | None) -> bool:
@@ -396,8 +415,9 @@ def _restore_or_init(run: _Run) -> TrainState:
     logging.info("Resuming from the checkpoint of step %d in %s.",
                  run.start_step, manager.directory)
   else:
-    if manager:
+    if latest is not None:   # Every step failed its checks.
       _refuse_moved_checkpoints(run.workdir, manager.directory)
+    if manager:
       logging.info("No checkpoint in %s: starting from scratch.",
                    manager.directory)
     run.compile_ahead(0)
