@@ -44,7 +44,6 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}.")
   # Before anything can touch a JAX backend (config checks included).
   distributed.initialize(_CONFIG.value.get("mesh"))
-  distributed.start_backend()   # While the modules below are imported.
   # pylint: disable=g-import-not-at-top
   from kda_lm import logs
   from kda_lm.checkpoint import manager as manager_lib

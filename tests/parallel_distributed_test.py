@@ -568,18 +568,3 @@ def test_two_processes_share_the_verification_and_fall_back(tmp_path):
           "(its log names it))") in outputs[0], outputs[0][-3000:]
   assert [n for n in os.listdir(directory) if n.startswith("unreadable-2-")]
 
-
-def test_start_backend_runs_in_a_thread_and_leaves_errors_to_the_caller(
-    monkeypatch):
-  calls, uncaught = [], []
-
-  def devices():
-    calls.append(threading.current_thread().name)
-    raise RuntimeError("no TPU runtime")
-
-  monkeypatch.setattr(jax, "devices", devices)
-  monkeypatch.setattr(threading, "excepthook", uncaught.append)
-  thread = distributed.start_backend()
-  thread.join()
-  assert calls == ["kda_lm backend start"] and thread.daemon
-  assert not uncaught   # The main thread's own call raises it again.

@@ -30,7 +30,6 @@ import dataclasses
 import os
 import socket
 import sys
-import threading
 import time
 
 from absl import logging
@@ -234,26 +233,6 @@ def initialize(mesh_config: ml_collections.ConfigDict) -> bool:
         f"a cluster JAX can detect, and none was found ({e}); set the three "
         f"config.mesh fields.") from e
   return True
-
-
-def start_backend() -> threading.Thread:
-  """Starts JAX's default backend in a background thread (returned).
-
-  A TPU runtime takes seconds to start; started right after `initialize`,
-  it starts while the caller imports the training modules (TensorFlow
-  among them). An error is left for the main thread's first use of JAX to
-  raise again, with its context.
-  """
-  def start():
-    try:
-      jax.devices()
-    except Exception:  # pylint: disable=broad-except
-      pass
-
-  thread = threading.Thread(target=start, name="kda_lm backend start",
-                            daemon=True)
-  thread.start()
-  return thread
 
 
 def is_main_process() -> bool:
