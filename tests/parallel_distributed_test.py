@@ -567,4 +567,3 @@ def test_two_processes_share_the_verification_and_fall_back(tmp_path):
   assert ("(CorruptCheckpointError: process 1 of 2 found a corrupt file "
           "(its log names it))") in outputs[0], outputs[0][-3000:]
   assert [n for n in os.listdir(directory) if n.startswith("unreadable-2-")]
-
