@@ -26,7 +26,8 @@ _one_device_sharding = helpers.one_device_batch_sharding
 def test_check_batch_names_bad_token():
   batch = {"inputs": np.array([[1, 2]]), "targets": np.array([[2, 9]])}
   step_lib.check_batch(batch, 10, "the batch of step 7")
-  with pytest.raises(ValueError, match="step 7: targets has token id 9"):
+  with pytest.raises(ValueError, match=r"^The batch of step 7: targets has "
+                     r"token id 9 outside the model vocabulary \[0, 9\)"):
     step_lib.check_batch(batch, 9, "the batch of step 7")
 
 
@@ -95,6 +96,26 @@ def test_update_loss_counts_only_masked_positions():
   want_acc = np.mean(np.argmax(logits, -1) == batch["targets"][mask])
   np.testing.assert_allclose(step_metrics["loss"], want_loss, rtol=1e-6)
   np.testing.assert_allclose(step_metrics["accuracy"], want_acc, rtol=1e-6)
+
+
+def test_loss_is_divided_by_the_scored_targets_and_never_by_zero():
+  """One scored target: its own cross-entropy; none: loss 0, not NaN."""
+  rng = np.random.default_rng(2)
+  vocab = 7
+  table = rng.standard_normal((vocab, vocab)).astype(np.float32)
+  params = {"table": table}
+  tx = optax.sgd(0.0)
+  update = jax.jit(step_lib.make_update_fn(_TableModel(), tx,
+                                           lambda step: 0.0))
+  state = state_lib.TrainState(params, tx.init(params), jax.random.key(0),
+                              jax.numpy.zeros((), jax.numpy.int32))
+  one = _table_batch(rng, vocab, 2, 4, 1)
+  _, step_metrics = update(state, one)
+  want = _cross_entropy64(table[one["inputs"][0, :1]], one["targets"][0, :1])
+  np.testing.assert_allclose(step_metrics["loss"], want[0], rtol=1e-6)
+  _, step_metrics = update(state, _table_batch(rng, vocab, 2, 4, 0))
+  assert float(step_metrics["loss"]) == 0.0
+  assert float(step_metrics["grad_norm"]) == 0.0
 
 
 def test_update_norm_is_logged_only_when_asked():
