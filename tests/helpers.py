@@ -42,8 +42,8 @@ from data import pipeline
 from kda_lm import config as config_lib
 from kda_lm.layers import rope
 from kda_lm.parallel import sharding
+from kda_lm.train import ahead, metrics, preemption
 from kda_lm.train import loop as train_loop
-from kda_lm.train import metrics, preemption
 
 VOCAB, T = 32, 128
 LENS = (3, 70, 40)   # < conv window; crosses the 64-token chunk boundary.
@@ -356,7 +356,7 @@ class LoopRun:
         "model": {"vocab_size": 11}})
     self.clock = clock
     self.start_step = 0
-    self.cache_counts = train_loop.CacheCounts()
+    self.cache_counts = ahead.CacheCounts()
     self.manager = None
     self.eval_batches = None
     self.last_checkpoint = None

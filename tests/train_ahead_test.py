@@ -1,6 +1,7 @@
 """Tests of train.ahead: background jobs, their errors, the abstract batch,
 and the order in which the loop lowers and compiles the steps."""
 
+import os
 import threading
 import types
 
@@ -128,3 +129,28 @@ def test_nothing_is_lowered_or_compiled_past_the_last_step(monkeypatch):
   run.lower_steps(3)
   run.compile_ahead(3)
   assert events == [] and run.ahead is None and run.phases == []
+
+
+def test_cache_counts_name_the_programs_read_back():
+  """The start-up line's count: requests to the persistent cache since the
+  run began, and the hits among them (JAX's monitoring events)."""
+  record = jax.monitoring.record_event
+  record("/jax/compilation_cache/compile_requests_use_cache")
+  counts = ahead.CacheCounts()
+  assert not counts.text()
+  for _ in range(3):
+    record("/jax/compilation_cache/compile_requests_use_cache")
+  record("/jax/compilation_cache/cache_hits")
+  assert counts.text() == "; compilation cache: read back 1 of 3 programs"
+
+
+def test_compilation_cache_key_points_jax_at_the_workdir(tmp_path):
+  """"workdir" -> <workdir>/jax_cache; a folder; "" none; a folder already
+  configured (JAX_COMPILATION_CACHE_DIR) wins."""
+  wd = str(tmp_path)
+  assert ahead.compilation_cache_dir("workdir", wd, None) == (
+      os.path.join(wd, "jax_cache"))
+  assert ahead.compilation_cache_dir("~/c", wd, "") == (
+      os.path.expanduser("~/c"))
+  assert ahead.compilation_cache_dir("", wd, None) is None
+  assert ahead.compilation_cache_dir("workdir", wd, "/elsewhere") is None

@@ -582,28 +582,3 @@ def test_failed_background_save_stops_with_one_line(tmp_path, data_dir,
   manager.close()
   state = train_loop.train_and_evaluate(config, workdir)
   assert int(state.step) == 6
-
-
-def test_cache_counts_name_the_programs_read_back():
-  """The start-up line's count: requests to the persistent cache since the
-  run began, and the hits among them (JAX's monitoring events)."""
-  record = jax.monitoring.record_event
-  record("/jax/compilation_cache/compile_requests_use_cache")
-  counts = train_loop.CacheCounts()
-  assert not counts.text()
-  for _ in range(3):
-    record("/jax/compilation_cache/compile_requests_use_cache")
-  record("/jax/compilation_cache/cache_hits")
-  assert counts.text() == "; compilation cache: read back 1 of 3 programs"
-
-
-def test_compilation_cache_key_points_jax_at_the_workdir(tmp_path):
-  """"workdir" -> <workdir>/jax_cache; a folder; "" none; a folder already
-  configured (JAX_COMPILATION_CACHE_DIR) wins."""
-  wd = str(tmp_path)
-  assert train_loop.compilation_cache_dir("workdir", wd, None) == (
-      os.path.join(wd, "jax_cache"))
-  assert train_loop.compilation_cache_dir("~/c", wd, "") == (
-      os.path.expanduser("~/c"))
-  assert train_loop.compilation_cache_dir("", wd, None) is None
-  assert train_loop.compilation_cache_dir("workdir", wd, "/elsewhere") is None

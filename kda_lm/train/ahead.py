@@ -8,14 +8,19 @@ compiled in a background thread of `Ahead` while the main thread traces
 the next step, builds the data and restores or initialises the state.
 JAX keeps each executable, so the first call of a step finds its program
 compiled; XLA's compiler releases the GIL, so the compilations share the
-host's cores with the main thread's work.
+host's cores with the main thread's work. JAX's persistent compilation
+cache (`train.compilation_cache`, `use_compilation_cache`) lets a rerun
+read the programs back; `CacheCounts` counts what it returned.
 """
 
+import os
 import threading
 import time
 from typing import Any, Callable, Mapping
 
+from absl import logging
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 import numpy as np
 
 from data import packing
@@ -96,3 +101,58 @@ def lowerings(steps: Any, batch_size: int, seq_len: int,
     lowerings_["eval step"] = lambda: steps.eval_step.lower(
         steps.abstract.params, batch)
   return lowerings_
+
+
+def compilation_cache_dir(choice: str, workdir: str,
+                          configured: str | None) -> str | None:
+  """The folder `train.compilation_cache` asks for ("workdir": the run's
+  folder; "": none), or None when one is already `configured`."""
+  if not choice or configured:
+    return None
+  return (os.path.join(workdir, "jax_cache") if choice == "workdir"
+          else os.path.abspath(os.path.expanduser(choice)))
+
+
+def use_compilation_cache(choice: str, workdir: str) -> None:
+  """Points JAX's persistent compilation cache at `compilation_cache_dir`."""
+  path = compilation_cache_dir(choice, workdir,
+                               jax.config.jax_compilation_cache_dir)
+  if path is None:
+    return
+  jax.config.update("jax_compilation_cache_dir", path)
+  # Every program, not only those that took over a second: a rerun then
+  # compiles nothing.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  # Programs compiled before this point (none in train.py) kept the
+  # cache's earlier state: start it again.
+  compilation_cache.reset_cache()
+  logging.info("Compilation cache: %s.", path)
+
+
+class CacheCounts:
+  """Programs that asked the persistent compilation cache, and those it
+  returned, since this object was made (JAX's monitoring events)."""
+
+  _REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
+  _HIT = "/jax/compilation_cache/cache_hits"
+  _counts = {_REQUEST: 0, _HIT: 0}
+  _listening = False
+
+  @classmethod
+  def _on_event(cls, event: str, **kwargs) -> None:
+    del kwargs
+    if event in cls._counts:
+      cls._counts[event] += 1
+
+  def __init__(self):
+    if not CacheCounts._listening:
+      jax.monitoring.register_event_listener(CacheCounts._on_event)
+      CacheCounts._listening = True
+    self._start = dict(self._counts)
+
+  def text(self) -> str:
+    """"read back H of N programs", or "" when none asked the cache."""
+    asked, hits = (self._counts[k] - self._start[k]
+                   for k in (self._REQUEST, self._HIT))
+    return f"; compilation cache: read back {hits} of {asked} programs" if (
+        asked) else ""

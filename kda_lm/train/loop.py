@@ -44,7 +44,6 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 from absl import logging
 import jax
-from jax.experimental.compilation_cache import compilation_cache
 import ml_collections
 import numpy as np
 
@@ -232,7 +231,7 @@ class _Run:
                cfg: config_lib.RunConfig, workdir: str, start_time: float):
     self.cfg = cfg
     self.workdir = workdir
-    self.cache_counts = CacheCounts()
+    self.cache_counts = ahead_lib.CacheCounts()
     # Plain JSON values: saved with every checkpoint, compared on resume.
     self.config_json = json.loads(config.to_json_best_effort())
     self.is_main = distributed.is_main_process()
@@ -437,61 +436,6 @@ def _restore_or_init(run: _Run) -> TrainState:
   return state
 
 
-def compilation_cache_dir(choice: str, workdir: str,
-                          configured: str | None) -> str | None:
-  """The folder `train.compilation_cache` asks for ("workdir": the run's
-  folder; "": none), or None when one is already `configured`."""
-  if not choice or configured:
-    return None
-  return (os.path.join(workdir, "jax_cache") if choice == "workdir"
-          else os.path.abspath(os.path.expanduser(choice)))
-
-
-def _compilation_cache(choice: str, workdir: str) -> None:
-  """Points JAX's persistent compilation cache at `compilation_cache_dir`."""
-  path = compilation_cache_dir(choice, workdir,
-                               jax.config.jax_compilation_cache_dir)
-  if path is None:
-    return
-  jax.config.update("jax_compilation_cache_dir", path)
-  # Every program, not only those that took over a second: a rerun then
-  # compiles nothing.
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  # Programs compiled before this point (none in train.py) kept the
-  # cache's earlier state: start it again.
-  compilation_cache.reset_cache()
-  logging.info("Compilation cache: %s.", path)
-
-
-class CacheCounts:
-  """Programs that asked the persistent compilation cache, and those it
-  returned, since this object was made (JAX's monitoring events)."""
-
-  _REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
-  _HIT = "/jax/compilation_cache/cache_hits"
-  _counts = {_REQUEST: 0, _HIT: 0}
-  _listening = False
-
-  @classmethod
-  def _on_event(cls, event: str, **kwargs) -> None:
-    del kwargs
-    if event in cls._counts:
-      cls._counts[event] += 1
-
-  def __init__(self):
-    if not CacheCounts._listening:
-      jax.monitoring.register_event_listener(CacheCounts._on_event)
-      CacheCounts._listening = True
-    self._start = dict(self._counts)
-
-  def text(self) -> str:
-    """"read back H of N programs", or "" when none asked the cache."""
-    asked, hits = (self._counts[k] - self._start[k]
-                   for k in (self._REQUEST, self._HIT))
-    return f"; compilation cache: read back {hits} of {asked} programs" if (
-        asked) else ""
-
-
 def _train_loop(run: _Run, state: TrainState) -> TrainState:
   """Steps from the restored step to `train.num_steps` (or an early stop)."""
   cfg = run.cfg
@@ -574,7 +518,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str
   distributed.initialize(config.get("mesh"))
   config_lib.check_config(config)   # Bad configs fail before any file.
   workdir = os.path.abspath(os.path.expanduser(workdir))
-  _compilation_cache(config.train.get("compilation_cache", ""), workdir)
+  ahead_lib.use_compilation_cache(config.train.get("compilation_cache", ""),
+                                  workdir)
   lock = contextlib.nullcontext()
   if distributed.is_main_process():
     os.makedirs(workdir, exist_ok=True)
