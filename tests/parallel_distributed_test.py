@@ -190,7 +190,11 @@ def test_missing_field_is_named(missing):
     (dict(process_id=-1), r"process_id must be in \[0, 2\).*got -1"),
     (dict(num_processes=0, process_id=0), r"num_processes must be >= 1"),
     (dict(coordinator_address="localhost"), r"must be host:port"),
+    (dict(process_id=3), r"process_id must be in \[0, 2\).*got 3"),
+    (dict(coordinator_address=":1234"), r"must be host:port"),
+    (dict(coordinator_address="localhost:port"), r"must be host:port"),
     (dict(coordinator_timeout_s=0), r"coordinator_timeout_s must be >= 1"),
+    (dict(heartbeat_timeout_s=-1), r"heartbeat_timeout_s must be >= 1"),
 ])
 def test_bad_fields(fields, message):
   with pytest.raises(ValueError, match=message):
@@ -207,6 +211,47 @@ def test_options():
   assert distributed.options(auto) == distributed.Options(None, None, None,
                                                           300)
   assert not distributed.initialize(_mesh(distributed=False))
+  # One second is the shortest timeout and heartbeat accepted.
+  assert distributed.options(_mesh(coordinator_timeout_s=1,
+                                   heartbeat_timeout_s=1)) == (
+      distributed.Options("127.0.0.1:1234", 2, 0, 1, 1))
+
+
+def test_process_0_checks_the_port_and_the_others_wait(monkeypatch):
+  calls = []
+  monkeypatch.setattr(distributed, "_backends_are_initialized", lambda: False)
+  monkeypatch.setattr(distributed, "_use_gloo_on_cpu", lambda: None)
+  monkeypatch.setattr(distributed, "_check_port_free",
+                      lambda address: calls.append(("port", address)))
+  monkeypatch.setattr(distributed, "wait_for_coordinator",
+                      lambda address, s: calls.append(("wait", address, s)))
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+  monkeypatch.setattr(jax.distributed, "initialize",
+                      lambda **kw: calls.append(("join", kw["process_id"])))
+  for process_id in (0, 1):
+    assert distributed.initialize(_mesh(process_id=process_id))
+  assert calls == [("port", "127.0.0.1:1234"), ("join", 0),
+                   ("wait", "127.0.0.1:1234", 300), ("join", 1)]
+
+
+def test_a_taken_coordinator_port_is_named():
+  with socket.socket() as sock:
+    sock.bind(("", 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    with pytest.raises(ValueError, match=f"cannot serve the coordinator on "
+                       f"port {port} "):
+      distributed._check_port_free(f"127.0.0.1:{port}")  # pylint: disable=protected-access
+  distributed._check_port_free(f"127.0.0.1:{_free_port()}")  # pylint: disable=protected-access
+
+
+def test_lost_peer_needs_another_process_and_a_sign_of_it(monkeypatch):
+  gone = RuntimeError("Gloo: Connection reset by peer")
+  monkeypatch.setattr(jax, "process_count", lambda: 1)
+  assert not distributed.lost_peer(gone)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  assert distributed.lost_peer(gone)
+  assert not distributed.lost_peer(ValueError("a bad shape"))
 
 
 def test_initialize_after_backend_start_is_refused():
