@@ -185,6 +185,13 @@ def test_missing_field_is_named(missing):
     distributed.options(_mesh(**{missing: None}))
 
 
+def test_the_first_missing_field_is_named_first():
+  with pytest.raises(ValueError, match=r"needs config\.mesh\.num_processes "
+                     r"\(missing: config\.mesh\.num_processes, "
+                     r"config\.mesh\.process_id\)"):
+    distributed.options(_mesh(num_processes=None, process_id=None))
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(process_id=2), r"process_id must be in \[0, 2\).*got 2"),
     (dict(process_id=-1), r"process_id must be in \[0, 2\).*got -1"),
@@ -211,6 +218,9 @@ def test_options():
   assert distributed.options(auto) == distributed.Options(None, None, None,
                                                           300)
   assert not distributed.initialize(_mesh(distributed=False))
+  # One process alone is a job.
+  assert distributed.options(_mesh(num_processes=1)) == distributed.Options(
+      "127.0.0.1:1234", 1, 0, 300)
   # One second is the shortest timeout and heartbeat accepted.
   assert distributed.options(_mesh(coordinator_timeout_s=1,
                                    heartbeat_timeout_s=1)) == (
@@ -232,6 +242,11 @@ def test_process_0_checks_the_port_and_the_others_wait(monkeypatch):
     assert distributed.initialize(_mesh(process_id=process_id))
   assert calls == [("port", "127.0.0.1:1234"), ("join", 0),
                    ("wait", "127.0.0.1:1234", 300), ("join", 1)]
+  # Once joined, a second call joins nothing more and says it runs
+  # distributed.
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+  assert distributed.initialize(_mesh())
+  assert len(calls) == 4
 
 
 def test_a_taken_coordinator_port_is_named():
