@@ -287,3 +287,82 @@ def test_layers_with_other_swiglu_clamps_are_not_scanned_together():
     config.ModelConfig(**base, expert_swiglu_limits=(1.0,))
   with pytest.raises(ValueError, match="shared_swiglu_limits"):
     config.ModelConfig(**base, shared_swiglu_limits=(-1.0,) * 8)
+
+
+# Kimi Linear's plan (see above): layers 0-1 unrolled, the group KMKK from
+# layer 2 repeated 6 times, layer 26 unrolled.
+_KIMI = dict(attention_pattern="KKKM" * 6 + "KKM", first_k_dense_replace=1)
+
+
+def _numbered_tree(cfg):
+  """An unscanned tree without a model: every leaf of layer i holds i (and
+  a second leaf i + 0.5), beside modules outside the layers."""
+  tree = {"embed": {"embeddings": np.arange(4.0)},
+          "final_norm": {"scale": np.ones(2)}}
+  for i in range(cfg.num_layers):
+    tree[f"layer_{i}/mixer/q_proj"] = {"w": np.full((2, 3), float(i)),
+                                       "b": np.full((3,), i + 0.5)}
+    tree[f"layer_{i}"] = {"gate": np.full((1,), float(i))}
+  return tree
+
+
+def test_layouts_of_a_tree_without_a_model():
+  """The layout conversion on its own (no model to compile): where each
+  layer goes, what stays, and the way back."""
+  cfg = _cfg(**_KIMI)
+  plan = stack.find_group(cfg)
+  assert plan == stack.LayerPlan((0, 1), 2, 4, 6, (26,))
+  tree = _numbered_tree(cfg)
+  scanned = stack.to_scanned(tree, cfg)
+  unrolled = [k for k in tree if stack.layer_index(k.split("/")[0]) in (
+      None, 0, 1, 26)]
+  assert sorted(scanned) == sorted(
+      unrolled + [f"scanned/slot_{j}{rest}" for j in range(4)
+                  for rest in ("", "/mixer/q_proj")])
+  for module in unrolled:
+    assert scanned[module].keys() == tree[module].keys()
+    for name, value in tree[module].items():
+      np.testing.assert_array_equal(scanned[module][name], value)
+  for j in range(4):
+    rows = [plan.layer(r, j) for r in range(6)]
+    assert rows == list(range(2 + j, 26, 4))
+    group = scanned[f"scanned/slot_{j}/mixer/q_proj"]
+    assert isinstance(group["w"], np.ndarray)  # numpy stays numpy
+    np.testing.assert_array_equal(
+        group["w"], np.asarray(rows, float)[:, None, None] * np.ones((2, 3)))
+    np.testing.assert_array_equal(
+        group["b"], (np.asarray(rows) + 0.5)[:, None] * np.ones(3))
+    np.testing.assert_array_equal(
+        scanned[f"scanned/slot_{j}"]["gate"], np.asarray(rows, float)[:, None])
+  assert stack.is_scanned(scanned) and not stack.is_scanned(tree)
+  back = stack.to_unscanned(scanned, cfg)
+  assert sorted(back) == sorted(tree)
+  for module in tree:
+    assert back[module].keys() == tree[module].keys()
+    for name, value in tree[module].items():
+      np.testing.assert_array_equal(back[module][name], value)
+  # to_layout converts to the layout scan_layers asks for, else copies.
+  scan_cfg = _cfg(**_KIMI, scan_layers=True)
+  for got, want in ((stack.to_layout(tree, scan_cfg), scanned),
+                    (stack.to_layout(scanned, cfg), tree),
+                    (stack.to_layout(tree, cfg), tree),
+                    (stack.to_layout(scanned, scan_cfg), scanned)):
+    assert sorted(got) == sorted(want)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_stacked_jax_leaves_and_missing_repeats():
+  cfg = _cfg(attention_pattern="KMKM", num_experts=0)
+  tree = {f"layer_{i}/mlp": {"w": jnp.full((2,), i, jnp.float32)}
+          for i in range(4)}
+  scanned = stack.to_scanned(tree, cfg)
+  assert isinstance(scanned["scanned/slot_1/mlp"]["w"], jax.Array)
+  np.testing.assert_array_equal(scanned["scanned/slot_1/mlp"]["w"],
+                                [[1, 1], [3, 3]])
+  del tree["layer_3/mlp"]
+  with pytest.raises(ValueError, match="slot_1/mlp are missing for some "
+                     "of the 2 repeats"):
+    stack.to_scanned(tree, cfg)
+  assert [stack.is_stacked(m) for m in (
+      "scanned/slot_0/mlp", "scanned", "scanned_x/mlp", "layer_0/scanned",
+      "mtp_0/block")] == [True, True, False, False, False]
