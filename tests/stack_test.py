@@ -58,6 +58,19 @@ def test_find_group_without_a_repeat_unrolls_everything():
   assert stack.layer_plan(cfg) == stack.LayerPlan((0, 1, 2, 3), 4, 0, 0, ())
 
 
+def test_find_group_of_short_stacks_halves_and_ties():
+  plan = lambda pattern: stack.find_group(
+      _cfg(attention_pattern=pattern, num_experts=0))
+  # Two or three layers still make a group of one layer repeated twice.
+  assert plan("KK") == stack.LayerPlan((), 0, 1, 2, ())
+  assert plan("KKM") == stack.LayerPlan((), 0, 1, 2, (2,))
+  # A group may be half the stack, of an odd length too.
+  assert plan("KKMKKM") == stack.LayerPlan((), 0, 3, 2, ())
+  # KM from layer 0 and MK from layer 1 leave one layer each: the tie
+  # goes to the fewest trailing layers.
+  assert plan("KMKMK") == stack.LayerPlan((0,), 1, 2, 2, ())
+
+
 def _batch(seed, B=2, T=24):
   rng = np.random.default_rng(seed)
   tokens = rng.integers(0, helpers.VOCAB, (B, T)).astype(np.int32)
