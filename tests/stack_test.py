@@ -66,6 +66,8 @@ def test_find_group_of_short_stacks_halves_and_ties():
   assert plan("KKM") == stack.LayerPlan((), 0, 1, 2, (2,))
   # A group may be half the stack, of an odd length too.
   assert plan("KKMKKM") == stack.LayerPlan((), 0, 3, 2, ())
+  # KKK then MM: scanning KKK leaves 2 layers unrolled, MM 3.
+  assert plan("KKKMM") == stack.LayerPlan((), 0, 1, 3, (3, 4))
   # KM from layer 0 and MK from layer 1 leave one layer each: the tie
   # goes to the fewest trailing layers.
   assert plan("KMKMK") == stack.LayerPlan((0,), 1, 2, 2, ())
