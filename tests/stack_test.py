@@ -364,6 +364,14 @@ def test_layouts_of_a_tree_without_a_model():
                     (stack.to_layout(scanned, scan_cfg), scanned)):
     assert sorted(got) == sorted(want)
     jax.tree.map(np.testing.assert_array_equal, got, want)
+  # The tiny stack: its group of 6 layers starts at layer 2.
+  assert stack.find_group(UNSCANNED).scanned == range(2, 8)
+  scanned = stack.to_scanned(_numbered_tree(UNSCANNED), UNSCANNED)
+  assert sorted(k for k in scanned if not k.startswith("scanned/")) == [
+      "embed", "final_norm", "layer_0", "layer_0/mixer/q_proj", "layer_1",
+      "layer_1/mixer/q_proj"]
+  np.testing.assert_array_equal(scanned["scanned/slot_1"]["gate"],
+                                [[3.0], [5.0], [7.0]])
 
 
 def test_stacked_jax_leaves_and_missing_repeats():
