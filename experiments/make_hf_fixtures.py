@@ -36,7 +36,7 @@ model uses for the same fields and Ling's own serving ports describe:
 
 It also writes `tests/testdata/hf/config_fields.json`: the fields of the
 two formats' config classes (`to_dict()` of a default config), which
-tests/hf_convert_test.py checks against `kda_lm.hf.formats`' lists of
+tests/hf_formats_test.py checks against `kda_lm.hf.formats`' lists of
 what kda-lm models, checks or ignores.
 
 It runs in its own environment (torch, transformers; the tests only read

@@ -58,7 +58,7 @@ def assert_covers_the_tree(cfg, model_type, tmap):
   per expert slot of a stacked array, or as a zero parameter."""
   shapes = abstract(cfg)
   filled = {}
-  for tensor, t in tmap.items():
+  for t in tmap.values():
     filled.setdefault((t.module, t.name), []).append(t.expert)
   for module, name in mapping.zero_params(cfg, model_type):
     assert (module, name) not in filled, (module, name)

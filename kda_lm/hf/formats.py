@@ -39,7 +39,7 @@ _YARN_OPTIONAL = ("attention_factor", "mscale", "mscale_all_dim")
 
 
 # Every `config.json` field of the two formats, by how kda-lm treats it
-# (tests/hf_convert_test.py checks the lists against the fields of
+# (tests/hf_formats_test.py checks the lists against the fields of
 # transformers' config classes, recorded in tests/testdata/hf/
 # config_fields.json, so a field transformers adds fails the test until it
 # is placed here). MODELLED: read into `model` (`from_hf`), written back by
