@@ -29,6 +29,15 @@ def fixture(name):
   return os.path.join(FIXTURES, name)
 
 
+def fixture_type(name):
+  """The fixture's `model_type` as its `config.json` spells it: a string
+  read from JSON, not the module's constant (`is` tells them apart)."""
+  with open(os.path.join(fixture(name), "config.json")) as f:
+    model_type = json.load(f)["model_type"]
+  assert model_type == FIXTURE_TYPES[name]
+  return model_type
+
+
 @functools.lru_cache(maxsize=None)
 def fixture_config(name):
   """The fixture's typed `ModelConfig`."""
@@ -76,7 +85,7 @@ def test_tensor_map_names_and_shapes_every_fixture_tensor(name):
   """The map's names are the header's (transformers' spelling), in
   checkpoint order, with the shapes the parameters give; every parameter
   is filled once."""
-  model_type = FIXTURE_TYPES[name]
+  model_type = fixture_type(name)
   cfg = fixture_config(name)
   tmap = mapping.tensor_map(cfg, model_type)
   header = header_shapes(name)
@@ -98,7 +107,7 @@ def test_tensor_map_names_and_shapes_every_fixture_tensor(name):
 def test_fixture_tensors_round_trip_through_kda_layout(name):
   """Each tensor read into kda-lm's layout has its parameter's shape (one
   slot of a stacked expert array) and comes back identical."""
-  model_type = FIXTURE_TYPES[name]
+  model_type = fixture_type(name)
   cfg = fixture_config(name)
   tmap = mapping.tensor_map(cfg, model_type)
   shapes = abstract(cfg)
@@ -153,12 +162,13 @@ def test_zero_params_are_kimis_kda_gate_biases():
 
 
 def test_canonical_name_reads_kimis_mlp_spelling():
+  kimi, ling = fixture_type("kimi_linear"), fixture_type("bailing_hybrid")
   dense = "model.layers.0.mlp.gate_proj.weight"
-  assert mapping.canonical_name(dense, mapping.KIMI) == (
+  assert mapping.canonical_name(dense, kimi) == (
       "model.layers.0.block_sparse_moe.gate_proj.weight")
-  assert mapping.canonical_name(dense, mapping.BAILING) == dense
+  assert mapping.canonical_name(dense, ling) == dense
   other = "model.layers.0.self_attn.q_proj.weight"
-  assert mapping.canonical_name(other, mapping.KIMI) == other
+  assert mapping.canonical_name(other, kimi) == other
 
 
 def test_layouts_move_each_element_where_the_formats_keep_it():
