@@ -173,6 +173,8 @@ def test_parameter_dtype():
     formats.from_hf(hf_config, dtype="int8")
   with pytest.raises(ValueError, match="parameter dtype 'float64'"):
     formats.from_hf(dict(hf_config, dtype="float64"))
+  with pytest.raises(TypeError):   # keyword-only
+    formats.from_hf(hf_config, "bfloat16")
 
 
 @pytest.mark.parametrize("model_type", [None, "llama", "bailing_moe"])
@@ -224,7 +226,8 @@ def test_every_config_field_is_modelled_checked_or_ignored():
 @pytest.mark.parametrize("change,match", [
     ({"tie_word_embeddings": True}, "'tie_word_embeddings' is True"),
     *[(rope_change(rope_type=t), f"'rope_parameters.rope_type' is '{t}'")
-      for t in ("linear", "dynamic", "longrope", "llama3")],
+      for t in ("linear", "dynamic", "longrope", "llama3", "custom",
+                "yarn_v2")],
     ({"rope_parameters": None,
       "rope_scaling": {"type": "linear", "factor": 2.0}},
      "'rope_parameters.rope_type' is 'linear'"),
