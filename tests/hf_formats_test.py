@@ -482,6 +482,19 @@ def test_export_writes_the_layer_lists():
     assert exported["rope_theta"] == 10000.0
 
 
+def test_model_type_and_group_size_read_values_not_objects():
+  """The gate's name compared by value (one read from a file is another
+  object than the literal), and a stack without MLA layers of odd or even
+  length has a group one longer than itself."""
+  ling = typed(fixture_config("bailing_hybrid"))
+  gate = "".join(["li", "ng"])
+  assert formats.guess_model_type(
+      dataclasses.replace(ling, kda_gate=gate)) == mapping.BAILING
+  for pattern in ("KKK", "KKKK", "KM"):
+    want = pattern.find("M") + 1 or len(pattern) + 1
+    assert formats._group_size(pattern) == want, pattern  # pylint: disable=protected-access
+
+
 def test_carried_fields():
   """A source's ignored fields (token ids, length limits) are kept, not its
   provenance or anything kda-lm computes; token ids are null without
