@@ -490,6 +490,10 @@ def test_model_type_and_group_size_read_values_not_objects():
   gate = "".join(["li", "ng"])
   assert formats.guess_model_type(
       dataclasses.replace(ling, kda_gate=gate)) == mapping.BAILING
+  # A format kda-lm does not write is refused, not written as Kimi's.
+  with pytest.raises(ValueError, match="Unknown model_type 'aaa'; kda-lm "
+                     "writes"):
+    formats.to_hf(ling, "aaa")
   for pattern in ("KKK", "KKKK", "KM"):
     want = pattern.find("M") + 1 or len(pattern) + 1
     assert formats._group_size(pattern) == want, pattern  # pylint: disable=protected-access

@@ -339,7 +339,11 @@ def guess_model_type(cfg: config_lib.ModelConfig) -> str:
 
 
 def _refuse_export(cfg: config_lib.ModelConfig, model_type: str) -> None:
-  """Raises for what `model_type` cannot express, naming the option."""
+  """Raises for an unknown `model_type` and for what it cannot express,
+  naming the option."""
+  if model_type not in mapping.MODEL_TYPES:
+    raise ValueError(f"Unknown model_type {model_type!r}; kda-lm writes "
+                     f"{mapping.MODEL_TYPES}.")
   ling = model_type == mapping.BAILING
   for _, name in SWIGLU_LIMIT_FIELDS:
     if not ling and any(getattr(cfg, name)):
@@ -395,7 +399,8 @@ def to_hf(cfg: config_lib.ModelConfig, model_type: str,
       fields kda-lm ignores are carried over (`carried_fields`).
 
   Raises:
-    ValueError: the format cannot express `cfg` (names the option).
+    ValueError: an unknown `model_type`, or the format cannot express
+      `cfg` (names the option).
   """
   _refuse_export(cfg, model_type)
   n = cfg.num_layers
