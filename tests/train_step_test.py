@@ -72,6 +72,18 @@ def test_loss_terms_count_only_masked_positions():
   assert correct == hits.sum()
 
 
+def _frozen_table_step(table):
+  """The jitted update of the table model with a learning rate of 0, and
+  its state."""
+  params = {"table": table}
+  tx = optax.sgd(0.0)
+  update = jax.jit(step_lib.make_update_fn(_TableModel(), tx,
+                                           lambda step: 0.0))
+  state = state_lib.TrainState(params, tx.init(params), jax.random.key(0),
+                              jax.numpy.zeros((), jax.numpy.int32))
+  return update, state
+
+
 def test_update_loss_counts_only_masked_positions():
   """The training step's `loss` / `accuracy`, with a stand-in model."""
   rng = np.random.default_rng(1)
@@ -83,12 +95,7 @@ def test_update_loss_counts_only_masked_positions():
   batch["inputs"][batch["loss_mask"] == 0] = garbage
   table[garbage] = np.where(np.arange(vocab) % 2, 1e4, -1e4)
   batch["inputs"][batch["loss_mask"] > 0] %= garbage
-  params = {"table": table}
-  tx = optax.sgd(0.0)
-  update = jax.jit(step_lib.make_update_fn(_TableModel(), tx,
-                                           lambda step: 0.0))
-  state = state_lib.TrainState(params, tx.init(params), jax.random.key(0),
-                              jax.numpy.zeros((), jax.numpy.int32))
+  update, state = _frozen_table_step(table)
   _, step_metrics = update(state, batch)
   mask = batch["loss_mask"] > 0
   logits = table[batch["inputs"][mask]]
@@ -103,12 +110,7 @@ def test_loss_is_divided_by_the_scored_targets_and_never_by_zero():
   rng = np.random.default_rng(2)
   vocab = 7
   table = rng.standard_normal((vocab, vocab)).astype(np.float32)
-  params = {"table": table}
-  tx = optax.sgd(0.0)
-  update = jax.jit(step_lib.make_update_fn(_TableModel(), tx,
-                                           lambda step: 0.0))
-  state = state_lib.TrainState(params, tx.init(params), jax.random.key(0),
-                              jax.numpy.zeros((), jax.numpy.int32))
+  update, state = _frozen_table_step(table)
   one = _table_batch(rng, vocab, 2, 4, 1)
   _, step_metrics = update(state, one)
   want = _cross_entropy64(table[one["inputs"][0, :1]], one["targets"][0, :1])
