@@ -1,9 +1,12 @@
-"""Tests of kda_lm.checkpoint.paths and manifest through `etils.epath`:
-local and remote paths, a manifest on a fake `gs://` store, and the
-checkpoint modules' file access."""
+"""Tests of kda_lm.checkpoint.paths and manifest: local and remote paths
+through `etils.epath`, a manifest on a fake `gs://` store, the checkpoint
+modules' file access, and the manifest on plain directories (what it
+lists, each way a file can differ from it, the message naming the
+first)."""
 
 import hashlib
 import inspect
+import json
 import os
 import pwd
 import re
@@ -264,3 +267,91 @@ def test_has_entries_of_a_directory(tmp_path):
   assert not paths.has_entries(tmp_path)
   (tmp_path / "1").mkdir()
   assert paths.has_entries(tmp_path)
+
+
+# The manifest on plain directories (no Orbax): what it lists, each way a
+# file can differ from it, and the message naming the first such file.
+
+
+def _make_plain_step_dir(root) -> str:
+  """A step-like directory with files sorting before and after
+  `manifest.json`, one nested, one over 256 bytes."""
+  step_dir = os.path.join(str(root), "7")
+  os.makedirs(os.path.join(step_dir, "state", "d"))
+  for rel, data in (("a.bin", b"abc"), ("state/d/x.bin", bytes(range(256)) * 2),
+                    ("z.txt", b"")):
+    with open(os.path.join(step_dir, rel), "wb") as f:
+      f.write(data)
+  return step_dir
+
+
+def test_manifest_lists_every_file_with_its_size_and_sha256(tmp_path):
+  step_dir = _make_plain_step_dir(tmp_path)
+  manifest.write_manifest(step_dir)
+  manifest.write_manifest(step_dir)     # Not listing itself.
+  want = {"files": {
+      rel: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+      for rel, data in (("a.bin", b"abc"),
+                        ("state/d/x.bin", bytes(range(256)) * 2),
+                        ("z.txt", b""))}}
+  with open(os.path.join(step_dir, manifest.MANIFEST_FILE)) as f:
+    assert f.read() == json.dumps(want, indent=1, sort_keys=True)
+  assert sorted(os.listdir(step_dir)) == [
+      "a.bin", manifest.MANIFEST_FILE, "state", "z.txt"]
+  assert manifest.verify_manifest(step_dir) is True
+
+
+def test_step_without_manifest_is_not_verified(tmp_path):
+  assert manifest.verify_manifest(_make_plain_step_dir(tmp_path)) is False
+
+
+def _rewrite(path: str, data: bytes) -> None:
+  with open(path, "wb") as f:
+    f.write(data)
+
+
+@pytest.mark.parametrize("rel,data,message", [
+    ("a.bin", b"abcd", "a.bin has 4 bytes, the manifest says 3"),
+    ("a.bin", b"ab", "a.bin has 2 bytes, the manifest says 3"),
+    ("state/d/x.bin", bytes(range(256)) * 2 + b"\0",
+     "state/d/x.bin has 513 bytes, the manifest says 512"),
+    ("z.txt", b"\0", "z.txt has 1 bytes, the manifest says 0"),
+])
+def test_a_file_of_another_size_is_named(tmp_path, rel, data, message):
+  step_dir = _make_plain_step_dir(tmp_path)
+  manifest.write_manifest(step_dir)
+  _rewrite(os.path.join(step_dir, rel), data)
+  with pytest.raises(manifest.CorruptCheckpointError) as info:
+    manifest.verify_manifest(step_dir)
+  assert str(info.value) == message
+
+
+@pytest.mark.parametrize("higher", [True, False])
+def test_a_file_with_other_bytes_of_the_same_size_is_named(tmp_path, higher):
+  """Changed bytes whose SHA-256 sorts after, or before, the saved one."""
+  step_dir = _make_plain_step_dir(tmp_path)
+  manifest.write_manifest(step_dir)
+  saved = hashlib.sha256(b"abc").hexdigest()
+  data = next(d for d in (bytes([i, 98, 99]) for i in range(256))
+              if (hashlib.sha256(d).hexdigest() > saved) == higher
+              and d != b"abc")
+  _rewrite(os.path.join(step_dir, "a.bin"), data)
+  with pytest.raises(manifest.CorruptCheckpointError) as info:
+    manifest.verify_manifest(step_dir)
+  assert str(info.value) == (
+      "a.bin does not match its SHA-256 in the manifest (its bytes changed "
+      "after the save)")
+
+
+def test_the_first_of_several_differences_is_named(tmp_path):
+  step_dir = _make_plain_step_dir(tmp_path)
+  manifest.write_manifest(step_dir)
+  os.remove(os.path.join(step_dir, "z.txt"))
+  _rewrite(os.path.join(step_dir, "state", "b.bin"), b"new")
+  with pytest.raises(manifest.CorruptCheckpointError,
+                     match="^state/b.bin is not in the manifest$"):
+    manifest.verify_manifest(step_dir)
+  os.remove(os.path.join(step_dir, "state", "b.bin"))
+  with pytest.raises(manifest.CorruptCheckpointError,
+                     match="^z.txt is missing$"):
+    manifest.verify_manifest(step_dir)
