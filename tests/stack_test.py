@@ -2,10 +2,14 @@
 and the rematerialisation policies."""
 
 import collections
+import contextlib
 import functools
+import io
 
+import haiku as hk
 import helpers
 import jax
+from jax import ad_checkpoint
 import jax.extend
 import jax.numpy as jnp
 import kda_support
@@ -220,6 +224,45 @@ def test_remat_policies_keep_gradients_and_save_less_and_less():
   sizes = [temp[r] for r in config.REMAT_POLICIES]
   assert sizes == sorted(sizes, reverse=True), temp
   assert temp["full"] < temp["none"], temp
+
+
+def _residuals(remat: str, in_scan: bool) -> collections.Counter:
+  """What a layer under `remat` keeps for its backward pass, as JAX lists
+  it (`print_saved_residuals`): each residual's source ("argument",
+  "output of dot_general", "named 'mixer_out'"...), counted."""
+
+  def layer(x, w):
+    h = ad_checkpoint.checkpoint_name(jnp.sin(x @ w), stack.MIXER_OUT)
+    y = ad_checkpoint.checkpoint_name(jnp.cos(h) @ w, stack.FFN_OUT)
+    return jnp.tanh(y * h)
+
+  f = hk.without_apply_rng(hk.transform(
+      lambda x, w: stack.rematted(layer, remat, in_scan=in_scan)(x, w)))
+  listing = io.StringIO()
+  with contextlib.redirect_stdout(listing):
+    ad_checkpoint.print_saved_residuals(lambda x, w: f.apply({}, x, w),
+                                        jnp.ones((4, 8)), jnp.ones((8, 8)))
+  return collections.Counter(
+      "argument" if " from the argument " in line else
+      line.split(" ", 1)[1].split(" from ")[0]
+      for line in listing.getvalue().splitlines())
+
+
+@pytest.mark.parametrize("in_scan", [False, True])
+def test_each_policy_keeps_what_its_name_says(in_scan):
+  """The residuals of a layer under each policy (the same in a scan): none
+  keeps every intermediate, `full` only the layer's inputs, `save_dots`
+  the matmuls' outputs, `save_outputs` the named mixer and FFN outputs."""
+  inputs = {"argument": 2}
+  assert _residuals("full", in_scan) == inputs
+  assert _residuals("save_dots", in_scan) == {
+      **inputs, "output of dot_general": 2}
+  assert _residuals("save_outputs", in_scan) == {
+      **inputs, f"named '{stack.MIXER_OUT}'": 1,
+      f"named '{stack.FFN_OUT}'": 1}
+  kept = _residuals("none", in_scan)
+  assert {"output of sin", "output of tanh", f"named '{stack.MIXER_OUT}'",
+          "argument"} <= set(kept), kept
 
 
 def test_bad_remat_names_the_options():
