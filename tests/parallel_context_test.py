@@ -17,12 +17,15 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import process_support
 import pytest
 
+from kda_lm.ops.kda import api as kda_api
 from kda_lm.parallel import context as context_parallel
 from kda_lm.parallel import maps as parallel_maps
+from kda_lm.parallel import sharding
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKS = os.path.join(REPO, "tests", "parallel_context_checks.py")
@@ -194,3 +197,50 @@ def test_incoming_states_compose_the_shards_in_order():
   np.testing.assert_allclose(final, state, rtol=1e-5, atol=1e-5)
   # Where keep is 0 the shard starts from zero, whatever came before.
   assert not np.any(np.asarray(entering)[1, 0])
+
+
+def _context_mesh(context: int) -> jax.sharding.AbstractMesh:
+  auto = jax.sharding.AxisType.Auto
+  return jax.sharding.AbstractMesh((1, 1, 1, context), sharding.AXES,
+                                   axis_types=(auto,) * 4)
+
+
+@pytest.mark.parametrize("bounded", [True, False])
+def test_check_kda_counts_the_shards_and_refuses_what_it_cannot_run(
+    bounded):
+  """`_check_kda` on an abstract mesh (no devices): the shard count along
+  T and the concrete impl, and its refusals with their messages."""
+  check = context_parallel._check_kda  # pylint: disable=protected-access
+  auto = kda_api.resolve_impl("auto", bounded)
+  with jax.sharding.use_abstract_mesh(_context_mesh(2)):
+    assert check(2, 8, None, "xla", bounded) == (2, "xla")
+    assert check(2, 8, None, "pallas", bounded) == (2, "pallas")
+    assert check(2, 8, None, "auto", bounded) == (2, auto)
+    with pytest.raises(ValueError) as info:
+      check(2, 8, None, "reference", bounded)
+    assert str(info.value) == (
+        "chunk_kda under context parallelism needs impl 'xla', 'pallas' "
+        "or 'auto' (the local passes reuse the chunked op), not "
+        "'reference'.")
+    with pytest.raises(ValueError, match="^chunk_kda under context "
+                       "parallelism: T = 7 tokens per row is not a multiple "
+                       "of mesh.context = 2.$"):
+      check(2, 7, None, "xla", bounded)
+    with pytest.raises(ValueError) as info:
+      check(2, 8, np.array([0, 4, 8]), "xla", bounded)
+    assert str(info.value) == (
+        "chunk_kda on a device mesh takes segment_ids, not cu_seqlens "
+        "(rows are sharded over devices).")
+  with jax.sharding.use_abstract_mesh(_context_mesh(1)):
+    assert check(2, 7, None, "reference", bounded) == (1, "reference")
+  assert check(3, 5, None, "reference", bounded) == (1, "reference")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_swap_with_mirror_reverses_the_shards(n):
+  """Shard i receives shard n - 1 - i's value (vmapped over the axis name,
+  one shard per index, as `_keep_state`'s tests)."""
+  swapped = jax.vmap(lambda x: context_parallel.swap_with_mirror(x, n),
+                     axis_name=parallel_maps.CONTEXT_AXIS)(
+                         jnp.arange(10, 10 + n))
+  assert swapped.tolist() == list(range(10 + n - 1, 9, -1))
