@@ -87,6 +87,28 @@ def test_chunked_head_equals_the_logits_and_names_a_bad_split():
     losses.loss_terms(y, batch, head_DW=w, chunks=3)
 
 
+@pytest.mark.parametrize("chunks", [0, -2, 2.0, 3])
+def test_a_bad_loss_split_is_refused_by_name(chunks):
+  """Zero, negative, non-int and non-dividing piece counts (`2.0` divides
+  the row, but only an int is a count)."""
+  y = jnp.zeros((1, 8, 6), jnp.float32)
+  w = jnp.zeros((6, 32), jnp.float32)
+  batch = {k: jnp.asarray(v) for k, v in ROW.items()}
+  with pytest.raises(ValueError) as info:
+    losses.loss_terms(y, batch, head_DW=w, chunks=chunks)
+  assert str(info.value) == (
+      "config.train.loss_chunks must be an int >= 1 that divides the row "
+      f"length 8, got {chunks!r}.")
+
+
+def test_mtp_weights_count_each_layers_scored_targets():
+  """MTP layer k scores the targets k tokens ahead in the same document:
+  5, 3 and 1 of the row's (documents of 3 and 4 tokens, then padding)."""
+  batch = {k: jnp.asarray(v) for k, v in ROW.items()}
+  assert losses.mtp_weights(batch, 3).tolist() == [5.0, 3.0, 1.0]
+  assert losses.mtp_weights(batch, 1).tolist() == [5.0]
+
+
 def test_the_gradient_pass_sums_as_the_plain_pass():
   """Under `jax.grad` the chunked head's loss and correct counts come from
   its gradient pass (the custom VJP's forward, summing over the pieces),
