@@ -74,6 +74,9 @@ def test_chunked_head_equals_the_logits_and_names_a_bad_split():
   want = losses.loss_terms(y @ w, batch)
   got = losses.loss_terms(y, batch, head_DW=w, chunks=4)
   np.testing.assert_allclose(got, want, rtol=1e-6)
+  # One piece unless told.
+  np.testing.assert_allclose(losses.loss_terms(y, batch, head_DW=w), want,
+                             rtol=1e-6)
   grad = lambda f: jax.grad(f, argnums=(0, 1))(y, w)
   want_g = grad(lambda a, b: losses.loss_terms(a @ b, batch)[0])
   got_g = grad(lambda a, b: losses.loss_terms(a, batch, b, 4)[0])
