@@ -198,11 +198,12 @@ def load_metrics(expert_load: jax.Array) -> dict[str, jax.Array]:
   Returns:
     `moe_load_max` / `moe_load_min`: the largest / smallest fraction of a
     layer's routed tokens that one expert received, over all MoE layers
-    (uniform = 1/E), and `moe_load_imbalance`: the worst layer's max / mean.
+    (uniform = 1/E), and `moe_load_imbalance`: the worst layer's max / mean
+    (E times `moe_load_max`).
   """
   frac = expert_load / jnp.maximum(expert_load.sum(-1, keepdims=True), 1.0)
   return {"moe_load_max": frac.max(), "moe_load_min": frac.min(),
-          "moe_load_imbalance": (frac.max(-1) * frac.shape[-1]).max()}
+          "moe_load_imbalance": frac.max() * frac.shape[-1]}
 
 
 def dispatch_swiglu(x_MD: jax.Array, idx: jax.Array, w: jax.Array,
