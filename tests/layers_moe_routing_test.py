@@ -6,6 +6,7 @@ metrics, the exchange capacity and the parameter count.
 """
 
 import collections
+import re
 import types
 
 import haiku as hk
@@ -334,14 +335,55 @@ def test_exchange_capacity():
   assert moe.exchange_capacity(6, 2, 2, 4, 0.0) == 1
 
 
-def test_bad_router_dims():
-  with pytest.raises(ValueError, match="n_group"):
-    moe.check_dims(num_experts=8, num_experts_per_tok=2, n_group=3)
-  with pytest.raises(ValueError, match="num_experts_per_tok"):
-    moe.check_dims(num_experts=4, num_experts_per_tok=5)
-  with pytest.raises(ValueError, match="fewer experts"):
-    moe.check_dims(num_experts=8, num_experts_per_tok=4, n_group=4,
-                   topk_group=1)
+@pytest.mark.parametrize("dims", [
+    dict(num_experts=1, num_experts_per_tok=1),
+    dict(num_experts=8, num_experts_per_tok=8),
+    dict(num_experts=8, num_experts_per_tok=1, n_group=8, topk_group=8),
+    # The kept groups hold exactly the top-k: 2 groups of 2, 2 of 3.
+    dict(num_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2),
+    dict(num_experts=12, num_experts_per_tok=6, n_group=4, topk_group=2),
+    dict(num_experts=8, num_experts_per_tok=4, n_group=2, topk_group=1),
+])
+def test_router_dims_at_their_bounds_are_accepted(dims):
+  moe.check_dims(**dims)
+
+
+_FEWER = "topk_group groups hold fewer experts than num_experts_per_tok."
+
+
+@pytest.mark.parametrize("dims,message", [
+    (dict(num_experts=0, num_experts_per_tok=1),
+     "need 1 <= num_experts_per_tok <= num_experts, got 1, 0."),
+    (dict(num_experts=4, num_experts_per_tok=0),
+     "need 1 <= num_experts_per_tok <= num_experts, got 0, 4."),
+    (dict(num_experts=4, num_experts_per_tok=5),
+     "need 1 <= num_experts_per_tok <= num_experts, got 5, 4."),
+    (dict(num_experts=8, num_experts_per_tok=2, n_group=3),
+     "n_group 3 must divide num_experts 8."),
+    (dict(num_experts=6, num_experts_per_tok=2, n_group=4),
+     "n_group 4 must divide num_experts 6."),
+    (dict(num_experts=2, num_experts_per_tok=1, n_group=4),
+     "n_group 4 must divide num_experts 2."),
+    (dict(num_experts=8, num_experts_per_tok=2, n_group=0),
+     "n_group 0 must divide num_experts 8."),
+    (dict(num_experts=8, num_experts_per_tok=2, n_group=-1),
+     "n_group -1 must divide num_experts 8."),
+    (dict(num_experts=8, num_experts_per_tok=2, n_group=4, topk_group=0),
+     "need 1 <= topk_group <= n_group, got 0, 4."),
+    (dict(num_experts=8, num_experts_per_tok=2, n_group=4, topk_group=5),
+     "need 1 <= topk_group <= n_group, got 5, 4."),
+    (dict(num_experts=8, num_experts_per_tok=2, topk_group=2),
+     "need 1 <= topk_group <= n_group, got 2, 1."),
+    (dict(num_experts=8, num_experts_per_tok=5, n_group=4, topk_group=2),
+     _FEWER),
+    (dict(num_experts=12, num_experts_per_tok=7, n_group=4, topk_group=2),
+     _FEWER),
+    (dict(num_experts=8, num_experts_per_tok=5, n_group=2, topk_group=1),
+     _FEWER),
+])
+def test_bad_router_dims_name_the_broken_rule(dims, message):
+  with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+    moe.check_dims(**dims)
 
 
 @pytest.mark.parametrize("num_shared", [0, 1, 3])

@@ -71,7 +71,7 @@ BIAS_NAME = "e_score_correction_bias"
 def check_dims(*, num_experts: int, num_experts_per_tok: int,
                n_group: int = 1, topk_group: int = 1) -> None:
   """Raises ValueError for an inconsistent router shape."""
-  if num_experts < 1 or not 1 <= num_experts_per_tok <= num_experts:
+  if not 1 <= num_experts_per_tok <= num_experts:
     raise ValueError(f"need 1 <= num_experts_per_tok <= num_experts, got "
                      f"{num_experts_per_tok}, {num_experts}.")
   if n_group < 1 or num_experts % n_group:
@@ -80,8 +80,7 @@ def check_dims(*, num_experts: int, num_experts_per_tok: int,
   if not 1 <= topk_group <= n_group:
     raise ValueError(f"need 1 <= topk_group <= n_group, got {topk_group}, "
                      f"{n_group}.")
-  if n_group > 1 and topk_group * (num_experts // n_group) < (
-      num_experts_per_tok):
+  if topk_group * (num_experts // n_group) < num_experts_per_tok:
     raise ValueError("topk_group groups hold fewer experts than "
                      "num_experts_per_tok.")
 
