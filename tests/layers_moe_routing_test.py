@@ -121,12 +121,16 @@ def test_route_defaults_are_plain_top_k_renormalised_and_one_group_kept():
       idx, _reference_route(scores, bias, 2, N_GROUP, 1)[0])
 
 
-def test_tokens_whose_selected_scores_underflow_get_zero_weights():
-  """A sigmoid score underflows to 0 for very negative logits; a token with
-  only such scores among its picks gets weights 0, not NaN."""
-  scores = jnp.zeros((2, E), jnp.float32).at[1, 5].set(0.5)
+def test_weights_of_tiny_scores_are_finite_as_deepseek_v3s():
+  """The renormalised weights are DeepSeek-V3's `s / (sum(s) + 1e-20)`: a
+  sigmoid score underflows to 0 for very negative logits, and a token
+  whose picks all scored 0 gets weights 0, not NaN; one whose picks sum
+  to 1e-20 gets half the weight, not infinity."""
+  scores = jnp.zeros((3, E), jnp.float32).at[1, 5].set(0.5)
+  scores = scores.at[2, 2].set(1e-20)
   _, w = _route(scores, jnp.zeros(E), K, routed_scaling_factor=SCALE)
-  np.testing.assert_array_equal(w, [[0, 0, 0], [SCALE, 0, 0]])
+  np.testing.assert_array_equal(
+      w, [[0, 0, 0], [SCALE, 0, 0], [SCALE / 2, 0, 0]])
 
 
 def test_bias_changes_routing_not_combine_weights():
