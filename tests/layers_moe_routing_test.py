@@ -121,6 +121,12 @@ def test_route_defaults_are_plain_top_k_renormalised_and_one_group_kept():
       idx, _reference_route(scores, bias, 2, N_GROUP, 1)[0])
 
 
+def test_route_options_are_keyword_only():
+  scores = jnp.full((2, E), 0.5, jnp.float32)
+  with pytest.raises(TypeError, match="positional"):
+    moe.route(scores, jnp.zeros(E), K, N_GROUP)
+
+
 def test_weights_of_tiny_scores_are_finite_as_deepseek_v3s():
   """The renormalised weights are DeepSeek-V3's `s / (sum(s) + 1e-20)`: a
   sigmoid score underflows to 0 for very negative logits, and a token
