@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import os
 import re
+import time
 
 import helpers
 import numpy as np
@@ -135,11 +136,16 @@ def test_bad_raises_with_the_place_or_counts(warnings):
   for _ in range(2):
     records.bad("empty_file", "/c/b.jsonl", "the file is empty", skipped,
                 count=5, once=True)
-  records.bad("missing_field", "/c/a.jsonl, line 8", "m", skipped)
-  assert skipped.counts() == {"empty_file": 5, "missing_field": 1}
+  # A record is counted each time it is read (once per epoch).
+  for _ in range(2):
+    records.bad("missing_field", "/c/a.jsonl, line 8", "m", skipped)
+  assert skipped.counts() == {"empty_file": 5, "missing_field": 2}
   assert warnings == [
       "Skipping a bad record (empty_file): /c/b.jsonl: the file is empty.",
+      "Skipping a bad record (missing_field): /c/a.jsonl, line 8: m.",
       "Skipping a bad record (missing_field): /c/a.jsonl, line 8: m."]
+  with pytest.raises(TypeError):    # `count` and `once` only by name.
+    records.bad("empty_file", "/c/b.jsonl", "m", skipped, 5)
 
 
 def test_utf8_and_problem():
@@ -258,6 +264,21 @@ def test_documents_are_in_order_across_encode_batches():
   assert _texts(documents) == texts
 
 
+def test_a_slow_batch_keeps_its_place():
+
+  class _Slow(_Listed):
+    def text(self, record):
+      if record == b"slow":
+        time.sleep(0.5)
+      return super().text(record)
+
+  texts = ["slow"] + [f"document {i}" for i in range(200)]
+  settings = _Slow(lines=_lines(texts))
+  documents = records.encode(settings.records("", "", 0, 1, None)[0],
+                             settings, records.Skipped())
+  assert _texts(documents) == texts
+
+
 def test_record_has_the_documented_types():
   r = records.record("a.jsonl", 7, b"{}")
   assert {k: v.dtype for k, v in r.items()} == {
@@ -320,10 +341,12 @@ def test_settings_checks_and_defaults():
   with pytest.raises(ValueError, match="validation_percent"):
     records.Settings(validation_percent=0)
   settings = records.Settings()
-  assert settings.tokenizes_in_pipeline
+  assert settings.tokenizes_in_pipeline is True
   assert settings.text(b"t\xc3\xa9") == "té"
   info = records.DocumentsInfo(mean_length=3.5, skipped=records.Skipped())
   assert settings.mean_length(info, "train") == 3.5
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    info.mean_length = 1.0
   counter = records.Skipped()
   assert settings.skipped(counter) is None
   assert records.Settings(skip_bad_records=True).skipped(counter) is counter
@@ -414,6 +437,25 @@ def test_training_texts_stop_at_the_byte_budget_and_skip_bad_records():
   assert odd._training_texts("", 2) == ["\udcff", "abc"]
 
 
+def test_training_texts_read_no_record_past_the_byte_budget():
+
+  def unreadable(r):
+    with tf.control_dependencies([tf.debugging.Assert(False, ["unread"])]):
+      return {k: tf.identity(v) for k, v in r.items()}
+
+  class _Broken(_Listed):
+    """The lines, then records that cannot be read."""
+
+    def records(self, *args):
+      lines, hold_out, sharded = super().records(*args)
+      return lines.concatenate(lines.map(unreadable)), hold_out, sharded
+
+  settings = _Broken(lines=_lines(["abc", "def"] + ["more"] * 100))
+  assert settings._training_texts("", 6) == ["abc", "def"]
+  with pytest.raises(tf.errors.InvalidArgumentError):
+    settings._training_texts("", 1000)
+
+
 def test_the_bpe_path_is_named_by_the_settings_that_choose_the_texts():
   base = records.FilesSettings(files="/c/*.jsonl", tokenizer="bpe",
                                bpe_vocab_size=300)
@@ -436,6 +478,9 @@ def test_the_bpe_path_is_named_by_the_settings_that_choose_the_texts():
            dataclasses.replace(base, validation_percent=6),
            dataclasses.replace(base, text_field="body")]
   assert len({s.default_tokenizer_path("/data") for s in other} | {path}) == 4
+  # The last part of the module's name ("data_records_test" has one).
+  assert _Listed(tokenizer="bpe", bpe_vocab_size=300).default_tokenizer_path(
+      "/data").startswith("/data/tokenizers/data_records_test_")
 
 
 def test_resolve_builds_the_bpe_once_from_the_training_records(
@@ -548,6 +593,10 @@ def test_match_files_in_glob_order_without_repeats_or_folders(
   monkeypatch.chdir(tmp_path / "d")
   assert records.match_files("*.jsonl", "files", None) == [
       str(tmp_path / "d" / "e.jsonl")]
+  # `**`: the folder and every folder below it.
+  assert records.match_files(f"{tmp_path}/**/*.jsonl", "files", None) == [
+      str(tmp_path / n) for n in ("a.jsonl", "b.jsonl", "d/e.jsonl",
+                                  "home/h.jsonl")]
 
 
 def test_match_files_refuses_no_globs_and_no_files(tmp_path, warnings):
