@@ -572,6 +572,20 @@ def test_interleave_reads_eight_items_at_once_in_blocks_of_sixteen():
   assert list(records.interleave(few.take(0), read, 0)) == []
 
 
+def test_interleave_keeps_its_order_when_an_item_is_slow():
+
+  def late(item, j):
+    if int(item) == 0 and int(j) == 0:
+      time.sleep(0.5)
+    return j
+
+  read = lambda item: tf.data.Dataset.range(20).map(lambda j: (
+      item, tf.ensure_shape(tf.py_function(late, [item, j], tf.int64), [])))
+  got = [(int(i), int(j)) for i, j in records.interleave(
+      tf.data.Dataset.range(3), read, 3).as_numpy_iterator()]
+  assert got == _interleaved([20, 20, 20], 3, 16)
+
+
 def _touch(root, *names):
   for name in names:
     path = root / name
