@@ -80,11 +80,11 @@ class Skipped:
   def add(self, kind: str, where: str, message: str, count: int = 1,
           once: bool = False) -> None:
     """Counts (and logs) a skipped record (each time it is read: once per
-    epoch); `once`: a file or glob, counted the first time only."""
+    epoch); `once`: a file or glob (its place and message), counted once."""
     with self._lock:
-      if once and (kind, where) in self._places:
+      if once and (kind, where, message) in self._places:
         return
-      self._places.add((kind, where))
+      self._places.add((kind, where, message))
       self._counts[kind] += count
       seen = self._counts[kind]
     if seen <= _LOGGED_PER_KIND:

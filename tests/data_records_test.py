@@ -640,6 +640,14 @@ def test_match_files_refuses_no_globs_and_no_files(tmp_path, warnings):
   assert warnings == [
       "Skipping a bad record (glob_matches_nothing): config.data.files: the "
       f"glob {none!r} matches no file."]
+  # Each glob that matches nothing is counted (and named) once.
+  warnings.clear()
+  assert records.match_files(f"{globs},{none}x", "files", skipped) == [
+      str(tmp_path / "a.jsonl")]
+  assert skipped.counts() == {"glob_matches_nothing": 2}
+  assert warnings == [
+      "Skipping a bad record (glob_matches_nothing): config.data.files: the "
+      f"glob {none + 'x'!r} matches no file."]
 
 
 def test_split_files_of_each_split(tmp_path):
