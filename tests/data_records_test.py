@@ -61,9 +61,16 @@ def _texts(documents):
   return [bytes(t).decode() for t in _tokens(documents)]
 
 
+def _name(split):
+  """`split` built at run time: equal to the literal, not the same object
+  (as a split read from a command line)."""
+  return "".join(list(split))
+
+
 def _split_texts(settings, split, process_index, process_count):
   return [r["record"].decode() for r in settings._split_records(
-      split, "", process_index, process_count, None).as_numpy_iterator()]
+      _name(split), "", process_index, process_count, None
+  ).as_numpy_iterator()]
 
 
 def _hash_buckets(lines):
@@ -403,14 +410,14 @@ def test_documents_and_the_mean_length_of_the_first_records(warnings):
 def test_a_split_without_documents(warnings):
   settings = _Listed(lines=(b"\xff", b"\xfe"), skip_bad_records=True)
   with pytest.raises(ValueError) as error:
-    settings.documents("train", data_dir="", process_index=1,
+    settings.documents(_name("train"), data_dir="", process_index=1,
                        process_count=2)
   assert str(error.value) == (
       "The training split of this data_records_test corpus has no document "
       "among its first 256 records for process 1 of 2: check "
       "config.data.text_field and the files (and "
       "config.data.validation_percent).")
-  documents, info = settings.documents("validation", data_dir="",
+  documents, info = settings.documents(_name("validation"), data_dir="",
                                        process_index=1, process_count=2)
   assert info.mean_length == 512.0
   assert warnings == [
@@ -418,6 +425,8 @@ def test_a_split_without_documents(warnings):
       "document among its first 256 records for process 1 of 2 (a small "
       "corpus? config.data.validation_percent, validation_files)."]
   assert _texts(documents) == []
+  with pytest.raises(TypeError):    # All but the split only by name.
+    settings.documents("validation", "", 1, 2)
 
 
 # The BPE built from the training records.
@@ -661,7 +670,7 @@ def test_split_files_of_each_split(tmp_path):
   assert held.split_files("train", skipped) == ([train], True)
   assert held.split_files("validation", skipped) == ([train], True)
   assert named.split_files("train", skipped) == ([train], False)
-  assert named.split_files("validation", skipped) == ([valid], False)
+  assert named.split_files(_name("validation"), skipped) == ([valid], False)
   assert skipped.counts() == {"glob_matches_nothing": 2}
   strict = dataclasses.replace(named, skip_bad_records=False)
   with pytest.raises(records.BadRecordError,
