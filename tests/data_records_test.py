@@ -437,6 +437,7 @@ def test_training_texts_stop_at_the_byte_budget_and_skip_bad_records():
   settings = _Listed(lines=_lines(texts), missing=(4,))
   # "aé" is 3 bytes (2 characters): 3 + 3 reaches 6, nothing more.
   assert settings._training_texts("", 6) == ["aé", "bbb"]
+  assert settings._training_texts("", 5) == ["aé", "bbb"]     # Past it.
   assert settings._training_texts("", 7) == ["aé", "bbb", "dddd"]
   assert settings._training_texts("", 0) == []
 
