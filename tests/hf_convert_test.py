@@ -5,8 +5,11 @@ README)."""
 import dataclasses
 import functools
 import json
+import logging
 import os
+import re
 import shutil
+import types
 
 import haiku as hk
 import jax
@@ -17,8 +20,9 @@ import pytest
 
 from data import tokenizer as tokenizer_lib
 from kda_lm import config, hf, model, stack
-from kda_lm.hf import formats, safetensors_io
+from kda_lm.hf import convert, formats, mapping, safetensors_io
 from kda_lm.parallel import sharding
+from kda_lm.train import state as state_lib
 from testbed import numerics
 
 FIXTURES = os.path.join(process_support.REPO, "tests", "testdata", "hf")
@@ -130,6 +134,185 @@ def assert_trees_equal(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+# The reading and writing logic on the fixtures' tensors, without running
+# a model (a few seconds: the mutation session's selection, see
+# docs/testing.md).
+
+
+def test_read_config_names_a_directory_without_one(tmp_path):
+  with pytest.raises(ValueError, match=f"^{tmp_path} has no config.json.$"):
+    convert.read_config(str(tmp_path))
+  assert convert.read_config(fixture("kimi_linear")) == fixture_config(
+      "kimi_linear")
+
+
+def test_check_names_missing_unexpected_and_mtp_tensors(caplog):
+  """The first missing or unexpected name (sorted) and their count; the
+  tensors of the MTP layers after the last layer skipped, with a
+  warning."""
+  cfg = types.SimpleNamespace(num_layers=5)
+  tmap = {f"model.layers.{i}.w": None for i in range(5)}
+  tmap["model.norm.weight"] = None
+  with pytest.raises(ValueError, match=re.escape(
+      "The checkpoint lacks tensor 'model.layers.1.w' (2 missing).")):
+    convert._check_names(tmap, set(tmap) - {"model.layers.1.w",
+                                            "model.layers.3.w"}, {}, cfg)
+  mtp = {"num_nextn_predict_layers": 2}   # Layers 5 and 6 skipped.
+  for extra, first, count in (
+      (["model.layers.4.x", "model.layers.50.x"], "model.layers.4.x", 2),
+      (["model.layers.7.x", "model.layers.9.x"], "model.layers.7.x", 2),
+      (["model.layers.4.x", "model.layers.5.x"], "model.layers.4.x", 1)):
+    with pytest.raises(ValueError, match=re.escape(
+        f"The checkpoint has an unexpected tensor {first!r} ({count} "
+        f"unexpected).")):
+      convert._check_names(tmap, set(tmap) | set(extra), mtp, cfg)
+  caplog.set_level(logging.WARNING)
+  assert convert._check_names(tmap, set(tmap), mtp, cfg) == set()
+  assert not caplog.records
+  skipped = {"model.layers.5.a", "model.layers.5.b", "model.layers.6.a"}
+  assert convert._check_names(tmap, set(tmap) | skipped, mtp, cfg) == (
+      skipped)
+  assert [r.getMessage() for r in caplog.records] == [
+      "Skipping 3 tensors of 2 MTP layers (kda-lm imports the main model "
+      "only)."]
+  for no_mtp in ({}, {"num_nextn_predict_layers": None}):
+    with pytest.raises(ValueError, match="unexpected tensor "
+                       "'model.layers.5.a' \\(1 unexpected\\)"):
+      convert._check_names(tmap, set(tmap) | {"model.layers.5.a"}, no_mtp,
+                           cfg)
+
+
+def test_placer_puts_arrays_on_the_device_or_the_mesh():
+  abstract = {"m": {"w": jax.ShapeDtypeStruct((4, 2), jnp.float32)}}
+  value = np.arange(8.0, dtype=np.float32).reshape(4, 2)
+  placed = convert._placer(abstract, None)("m", "w", value)
+  assert isinstance(placed, jax.Array)
+  assert placed.sharding == jax.sharding.SingleDeviceSharding(
+      jax.devices()[0])
+  np.testing.assert_array_equal(placed, value)
+  mesh = sharding.make_mesh(config.MeshConfig())
+  placed = convert._placer(abstract, mesh)("m", "w", value)
+  assert placed.sharding == state_lib.state_shardings(abstract, mesh)["m"][
+      "w"]
+  np.testing.assert_array_equal(placed, value)
+
+
+def expected_params(name):
+  """The fixture's tensors, each converted by `mapping` alone: experts
+  stacked in their slots, the parameters the format lacks zero."""
+  path = fixture(name)
+  model_type = FIXTURE_TYPES[name]
+  cfg = config.ModelConfig.from_config(formats.from_hf(fixture_config(name)))
+  abstract = model.abstract_params(cfg)
+  out = {m: {n: np.zeros(s.shape, s.dtype) for n, s in names.items()}
+         for m, names in abstract.items()}
+  tmap = mapping.tensor_map(cfg, model_type)
+  filled = set()
+  for hf_name, array in safetensors_io.iter_tensors(
+      path, safetensors_io.weight_map(path)):
+    t = tmap[hf_name]
+    value = mapping.to_kda(t, array)
+    if t.expert is None:
+      out[t.module][t.name] = value.astype(out[t.module][t.name].dtype)
+    else:
+      out[t.module][t.name][t.expert] = value
+    filled.add((t.module, t.name))
+  zero = set(mapping.zero_params(cfg, model_type))
+  assert filled | zero == {(m, n) for m in out for n in out[m]}
+  return cfg, out
+
+
+@pytest.mark.parametrize("name", ["bailing_hybrid", "kimi_linear"])
+def test_import_fills_each_parameter_from_its_tensors(name):
+  cfg, want = expected_params(name)
+  got_cfg, params = hf.load_pretrained(fixture(name))
+  assert got_cfg == cfg and not cfg.scan_layers
+  assert not stack.is_scanned(params)
+  assert_trees_equal(params, want)
+  if name == "kimi_linear":
+    assert mapping.zero_params(cfg, "kimi_linear")
+
+
+def test_import_scanned_layout_and_keyword_options():
+  cfg, want = expected_params("kimi_linear")
+  mesh = sharding.make_mesh(config.MeshConfig())
+  for on_mesh in (None, mesh):
+    scan_config, scanned = hf.load_pretrained(
+        fixture("kimi_linear"), mesh=on_mesh, scan_layers=True)
+    assert scan_config == dataclasses.replace(cfg, scan_layers=True)
+    assert stack.is_scanned(scanned)
+    assert_trees_equal(scanned, stack.to_scanned(want, scan_config))
+    shardings = {x.sharding for x in jax.tree.leaves(scanned)}
+    if on_mesh is None:
+      assert shardings == {jax.sharding.SingleDeviceSharding(
+          jax.devices()[0])}
+    else:
+      assert all(isinstance(s, jax.sharding.NamedSharding) and
+                 s.mesh == mesh for s in shardings), shardings
+  with pytest.raises(TypeError):
+    hf.load_pretrained(fixture("kimi_linear"), "float32")
+
+
+def listing(path):
+  return sorted(os.listdir(path))
+
+
+@pytest.mark.parametrize("name", ["bailing_hybrid", "kimi_linear"])
+def test_export_replaces_an_earlier_export_without_running(name, tmp_path):
+  """Into an existing folder: a sharded export, then a single file (the
+  shards and the index go, other files stay), its config.json's exact
+  text, the fixture's tensors (from the scanned layout too)."""
+  cfg, params = hf.load_pretrained(fixture(name))
+  out = str(tmp_path)
+  for keep in ("modelcard.md", "notes.safetensors.txt", "README.md"):
+    (tmp_path / keep).write_text("kept")
+  hf.save_pretrained(cfg, params, out, max_shard_size=20_000)
+  shards = listing(out)
+  assert safetensors_io.INDEX in shards and len(shards) > 6, shards
+  assert header(out) == header(fixture(name))
+  source = dict(fixture_config(name), bos_token_id=7, use_cache=False)
+  hf.save_pretrained(cfg, params, out, source_config=source)
+  assert listing(out) == ["README.md", "config.json", "model.safetensors",
+                          "modelcard.md", "notes.safetensors.txt"]
+  with open(os.path.join(out, "config.json")) as f:
+    text = f.read()
+  assert text == json.dumps(formats.to_hf(cfg, FIXTURE_TYPES[name], source),
+                            indent=2, sort_keys=True)
+  assert json.loads(text)["bos_token_id"] == 7
+  assert header(out) == header(fixture(name))
+  assert_trees_equal(hf.load_pretrained(out)[1], params)
+  if name == "kimi_linear":
+    scanned = stack.to_scanned(params, dataclasses.replace(
+        cfg, scan_layers=True))
+    hf.save_pretrained(cfg, scanned, out, model_type="kimi_linear")
+    assert header(out) == header(fixture(name))
+
+
+def test_export_refuses_params_that_do_not_fit(tmp_path):
+  cfg, params = hf.load_pretrained(fixture("bailing_hybrid"))
+  out = str(tmp_path)
+  norm = "final_norm"
+  assert norm in params, sorted(params)
+  want = tuple(params[norm]["weight"].shape)
+  for shape in ((want[0] - 1,), (want[0] + 1,)):
+    bad = {**params, norm: {"weight": np.ones(shape, np.float32)}}
+    with pytest.raises(ValueError, match=re.escape(
+        f"params do not fit the config at {norm}/weight: expected {want}, "
+        f"got {shape}.")):
+      hf.save_pretrained(cfg, bad, out)
+  missing = {**params, norm: {}}
+  with pytest.raises(ValueError, match=re.escape(
+      f"params do not fit the config at {norm}/weight: expected {want}, got "
+      f"None.")):
+    hf.save_pretrained(cfg, missing, out)
+  with pytest.raises(ValueError, match="cannot express model.kda_gate = "
+                     "'ling'"):
+    hf.save_pretrained(cfg, params, out, model_type="kimi_linear")
+  with pytest.raises(TypeError):
+    hf.save_pretrained(cfg, params, out, "5GB")
+  assert not os.listdir(out)
+
+
 @pytest.mark.parametrize("name", FIXTURE_TYPES)
 def test_export_round_trip_is_exact(name, tmp_path):
   model_config, params = hf.load_pretrained(fixture(name))
@@ -189,6 +372,8 @@ def rewrite(path, edit):
      "unexpected tensor 'model.layers.1.extra'"),
     (lambda a: a.update({"model.norm.weight": np.ones(3, np.float32)}),
      r"'model.norm.weight' has shape \(3,\)"),
+    (lambda a: a.update({"model.norm.weight": np.ones(40, np.float32)}),
+     r"'model.norm.weight' has shape \(40,\); the config gives \(16,\)"),
 ])
 def test_bad_tensors_are_named(tmp_path, edit, match):
   path = str(tmp_path / "ckpt")
