@@ -2,7 +2,9 @@
 run directory trains, generates and exports back."""
 
 import json
+import logging
 import os
+import re
 import shutil
 
 import helpers
@@ -21,6 +23,7 @@ from kda_lm import config as config_lib
 from kda_lm import hf
 from kda_lm.checkpoint import manager as manager_lib
 from kda_lm.checkpoint import workdir as workdir_lib
+from kda_lm.hf import formats
 from kda_lm.hf import workdir as hf_workdir
 from kda_lm.infer import decoding, generate
 from kda_lm.parallel import sharding
@@ -162,3 +165,171 @@ def test_export_writes_the_runs_tokenizer(tmp_path, kind):
   else:
     assert tok_config["tokenizer_class"] == "PreTrainedTokenizerFast"
   assert tok.decode(tok.encode(text).ids) == text
+
+
+# The tokenizer files, the refusals and the export's arguments, with
+# stand-in tokenizer files and runs (no training: the mutation session's
+# selection, see docs/testing.md), then one import on its own.
+
+TOKENIZER, TOKENIZER_CONFIG, SPECIAL = state_lib.HF_TOKENIZER_FILES
+DEFAULT_TOKENIZER_CONFIG = """{
+  "tokenizer_class": "PreTrainedTokenizerFast",
+  "clean_up_tokenization_spaces": false
+}"""
+
+
+def write_files(folder, texts):
+  """Writes {file name: text} into a folder."""
+  os.makedirs(folder, exist_ok=True)
+  for name, text in texts.items():
+    with open(os.path.join(folder, name), "w") as f:
+      f.write(text)
+
+
+def read_files(folder):
+  """{file name: text} of a folder's files."""
+  out = {}
+  for name in sorted(os.listdir(folder)):
+    if os.path.isdir(os.path.join(folder, name)):
+      continue
+    with open(os.path.join(folder, name)) as f:
+      out[name] = f.read()
+  return out
+
+
+def test_write_tokenizer_of_each_kind_of_run(tmp_path, caplog):
+  """Stand-in files, copied byte for byte: a released tokenizer.json brings
+  the tokenizer files of its folder (and no others), any other file is
+  copied alone as tokenizer.json; a tokenizer_config.json is added where
+  none came; bytes get a byte-level tokenizer; token ids get nothing."""
+  released = str(tmp_path / "sources" / "released")
+  write_files(released, {TOKENIZER: "released", SPECIAL: "special",
+                         TOKENIZER_CONFIG: "theirs", "vocab.txt": "other"})
+  own = str(tmp_path / "sources" / "own")
+  write_files(own, {TOKENIZER: "bpe", TOKENIZER_CONFIG: "not copied",
+                    "hub.json": "released elsewhere"})
+  default = DEFAULT_TOKENIZER_CONFIG
+  cases = {
+      "released": (os.path.join(released, TOKENIZER), True,
+                   {TOKENIZER: "released", TOKENIZER_CONFIG: "theirs",
+                    SPECIAL: "special"}),
+      "released_other_name": (os.path.join(own, "hub.json"), True,
+                              {TOKENIZER: "released elsewhere",
+                               TOKENIZER_CONFIG: default}),
+      "bpe": (os.path.join(own, TOKENIZER), False,
+              {TOKENIZER: "bpe", TOKENIZER_CONFIG: default}),
+  }
+  for kind, (path, is_released, want) in cases.items():
+    out = str(tmp_path / kind)
+    os.makedirs(out)
+    hf_workdir.write_tokenizer(state_lib.RunTokenizer(path, is_released), out)
+    assert read_files(out) == want, kind
+  out = str(tmp_path / "bytes")
+  os.makedirs(out)
+  hf_workdir.write_tokenizer(state_lib.RunTokenizer("", False), out)
+  written = read_files(out)
+  assert sorted(written) == [TOKENIZER, TOKENIZER_CONFIG]
+  assert written[TOKENIZER_CONFIG] == DEFAULT_TOKENIZER_CONFIG
+  text = "héllo ∑"
+  tok = tokenizers.Tokenizer.from_file(os.path.join(out, TOKENIZER))
+  assert tok.encode(text).ids == list(text.encode())
+  out = str(tmp_path / "token_ids")
+  os.makedirs(out)
+  caplog.set_level(logging.INFO)
+  hf_workdir.write_tokenizer(None, out)
+  assert not os.listdir(out)
+  assert "The run is on token ids: no tokenizer exported." in caplog.text
+
+
+def test_import_refusals_come_first(tmp_path):
+  """A workdir holding a run is refused before the checkpoint is read; a
+  folder without one goes on to read it."""
+  base = helpers.tiny_train_config(str(tmp_path / "data"))
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  with pytest.raises(ValueError, match="has no config.json"):
+    hf_workdir.import_checkpoint(str(tmp_path / "nothing"), workdir, base)
+  workdir_lib.write_config(workdir, {"model": {}}, step=0)
+  with pytest.raises(ValueError, match=f"^{re.escape(workdir)} already "
+                     f"holds a run; import into a new --workdir.$"):
+    hf_workdir.import_checkpoint(FIXTURE, workdir, base)
+  with pytest.raises(TypeError):
+    hf_workdir.import_checkpoint(FIXTURE, workdir, base, "float32")
+
+
+def _stand_in_run(workdir, monkeypatch):
+  """A `Run` of the fixture's parameters at step 3, returned by
+  `state.load_run(workdir)`."""
+  model_config, params = hf.load_pretrained(FIXTURE)
+  run = state_lib.Run(workdir, ml_collections.ConfigDict(
+      {"data": {"name": "delayed_copy"}}), params, 3, model_config)
+  loaded = []
+
+  def load_run(path):
+    loaded.append(path)
+    return run
+
+  monkeypatch.setattr(state_lib, "load_run", load_run)
+  return run, loaded
+
+
+def test_export_carries_the_source_config_and_its_arguments(tmp_path,
+                                                             monkeypatch):
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  run, loaded = _stand_in_run(workdir, monkeypatch)
+  out = str(tmp_path / "plain")
+  assert hf_workdir.export_checkpoint(workdir, out) is run
+  assert loaded == [workdir]
+  with open(os.path.join(out, "config.json")) as f:
+    exported = json.load(f)
+  assert exported["model_type"] == "bailing_hybrid"
+  assert exported["bos_token_id"] is None
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+  with open(os.path.join(FIXTURE, "config.json")) as f:
+    source = json.load(f)
+  with open(os.path.join(workdir, hf_workdir.SOURCE_CONFIG), "w") as f:
+    json.dump(dict(source, bos_token_id=5, use_cache=False), f)
+  out = str(tmp_path / "carried")
+  hf_workdir.export_checkpoint(workdir, out, max_shard_size=20_000)
+  with open(os.path.join(out, "config.json")) as f:
+    exported = json.load(f)
+  assert exported["bos_token_id"] == 5 and exported["use_cache"] is False
+  assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
+  with pytest.raises(ValueError, match="cannot express model.kda_gate"):
+    hf_workdir.export_checkpoint(workdir, out, model_type="kimi_linear")
+  with pytest.raises(TypeError):
+    hf_workdir.export_checkpoint(workdir, out, "5GB")
+
+
+def test_import_writes_a_step_0_run_with_the_source_files(tmp_path):
+  """Into an existing empty folder: the step-0 checkpoint of the
+  checkpoint's parameters (unscanned by default), the config recorded as
+  starting at step 0, the source config.json's exact text and the
+  tokenizer files the checkpoint has."""
+  source = str(tmp_path / "source")
+  shutil.copytree(FIXTURE, source)
+  write_files(source, {TOKENIZER: "tokenizer", SPECIAL: "special",
+                       "vocab.txt": "other"})
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  base = helpers.tiny_train_config(str(tmp_path / "data"),
+                                   checkpoint__async_save=False)
+  config = hf_workdir.import_checkpoint(source, workdir, base)
+  assert not config.model.scan_layers
+  with open(os.path.join(FIXTURE, "config.json")) as f:
+    hf_config = json.load(f)
+  assert config.model.to_dict() == dict(
+      formats.from_hf(hf_config).to_dict(), scan_layers=False)
+  files = read_files(workdir)
+  assert files[hf_workdir.SOURCE_CONFIG] == json.dumps(
+      hf_config, indent=2, sort_keys=True)
+  assert files[TOKENIZER] == "tokenizer" and files[SPECIAL] == "special"
+  assert TOKENIZER_CONFIG not in files and "vocab.txt" not in files
+  history = [json.loads(line) for line in
+             files[workdir_lib.HISTORY_FILE].splitlines()]
+  assert [h["start_step"] for h in history] == [0]
+  run = state_lib.load_run(workdir)
+  assert run.step == 0
+  _, imported = hf.load_pretrained(FIXTURE)
+  assert_same_tree(run.params, imported, "step-0 parameters")
