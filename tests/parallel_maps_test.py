@@ -250,6 +250,27 @@ def test_row_sum_map_sums_over_devices_and_keeps_tokens_in_place():
   assert per_token.shape == (60, 8)
 
 
+def test_row_sum_map_takes_accumulators_that_start_as_constants():
+  """`fn` may sum its rows in a loop whose carry starts as zeros (the
+  chunked LM head does): `shard_map`'s varying-axes check, which would
+  refuse that carry, is off."""
+  seen = []
+
+  def fn(x, w):
+    seen.append(_varying(x))
+
+    def chunk(i, total):
+      return total + (x[:, i] @ w).sum(0)
+
+    return jax.lax.fori_loop(0, x.shape[1], chunk, jnp.zeros(w.shape[1])), x
+
+  summed, per_token = _trace(
+      lambda x, w: maps.row_sum_map(fn, [x], [w]), spec(60, 8, 3),
+      spec(3, 5), mesh=full_mesh())
+  assert summed.shape == (5,) and per_token.shape == (60, 8, 3)
+  assert seen == [set()]
+
+
 def test_row_sum_map_refuses_rows_that_do_not_divide():
   def fn(x):
     return x.sum(), x
