@@ -259,14 +259,17 @@ def listing(path):
 
 @pytest.mark.parametrize("name", ["bailing_hybrid", "kimi_linear"])
 def test_export_replaces_an_earlier_export_without_running(name, tmp_path):
-  """Into an existing folder: a sharded export, then a single file (the
-  shards and the index go, other files stay), its config.json's exact
-  text, the fixture's tensors (from the scanned layout too)."""
+  """Into an existing folder: a sharded export of host arrays, then a
+  single file (the shards and the index go, other files stay), its
+  config.json's exact text, the fixture's tensors (from the scanned
+  layout too)."""
   cfg, params = hf.load_pretrained(fixture(name))
   out = str(tmp_path)
   for keep in ("modelcard.md", "notes.safetensors.txt", "README.md"):
     (tmp_path / keep).write_text("kept")
-  hf.save_pretrained(cfg, params, out, max_shard_size=20_000)
+  # Host (numpy) arrays as well as JAX ones.
+  hf.save_pretrained(cfg, jax.device_get(params), out,
+                     max_shard_size=20_000)
   shards = listing(out)
   assert safetensors_io.INDEX in shards and len(shards) > 6, shards
   assert header(out) == header(fixture(name))

@@ -305,10 +305,14 @@ def test_export_carries_the_source_config_and_its_arguments(tmp_path,
 def test_import_writes_a_step_0_run_with_the_source_files(tmp_path):
   """Into an existing empty folder: the step-0 checkpoint of the
   checkpoint's parameters (unscanned by default), the config recorded as
-  starting at step 0, the source config.json's exact text and the
+  starting at step 0, the source config.json (its keys sorted) and the
   tokenizer files the checkpoint has."""
   source = str(tmp_path / "source")
   shutil.copytree(FIXTURE, source)
+  with open(os.path.join(FIXTURE, "config.json")) as f:
+    hf_config = json.load(f)
+  with open(os.path.join(source, "config.json"), "w") as f:
+    json.dump(dict(reversed(hf_config.items())), f)   # Its keys unsorted.
   write_files(source, {TOKENIZER: "tokenizer", SPECIAL: "special",
                        "vocab.txt": "other"})
   workdir = str(tmp_path / "run")
@@ -317,8 +321,6 @@ def test_import_writes_a_step_0_run_with_the_source_files(tmp_path):
                                    checkpoint__async_save=False)
   config = hf_workdir.import_checkpoint(source, workdir, base)
   assert not config.model.scan_layers
-  with open(os.path.join(FIXTURE, "config.json")) as f:
-    hf_config = json.load(f)
   assert config.model.to_dict() == dict(
       formats.from_hf(hf_config).to_dict(), scan_layers=False)
   files = read_files(workdir)
