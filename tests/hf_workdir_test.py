@@ -207,14 +207,19 @@ def test_write_tokenizer_of_each_kind_of_run(tmp_path, caplog):
                          TOKENIZER_CONFIG: "theirs", "vocab.txt": "other"})
   own = str(tmp_path / "sources" / "own")
   write_files(own, {TOKENIZER: "bpe", TOKENIZER_CONFIG: "not copied",
-                    "hub.json": "released elsewhere"})
+                    "hub.json": "released elsewhere",
+                    "vocab.json": "released too"})
   default = DEFAULT_TOKENIZER_CONFIG
   cases = {
       "released": (os.path.join(released, TOKENIZER), True,
                    {TOKENIZER: "released", TOKENIZER_CONFIG: "theirs",
                     SPECIAL: "special"}),
+      # Names sorting before and after tokenizer.json.
       "released_other_name": (os.path.join(own, "hub.json"), True,
                               {TOKENIZER: "released elsewhere",
+                               TOKENIZER_CONFIG: default}),
+      "released_later_name": (os.path.join(own, "vocab.json"), True,
+                              {TOKENIZER: "released too",
                                TOKENIZER_CONFIG: default}),
       "bpe": (os.path.join(own, TOKENIZER), False,
               {TOKENIZER: "bpe", TOKENIZER_CONFIG: default}),
@@ -331,6 +336,9 @@ def test_import_writes_a_step_0_run_with_the_source_files(tmp_path):
   history = [json.loads(line) for line in
              files[workdir_lib.HISTORY_FILE].splitlines()]
   assert [h["start_step"] for h in history] == [0]
+  manager = manager_lib.CheckpointManager(workdir_lib.checkpoint_dir(workdir))
+  assert manager.all_steps() == [0]
+  manager.close()
   run = state_lib.load_run(workdir)
   assert run.step == 0
   _, imported = hf.load_pretrained(FIXTURE)
