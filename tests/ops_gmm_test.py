@@ -10,6 +10,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -139,6 +140,14 @@ def test_work_items_cover_each_group_once(sizes, tm):
     (((4, 3), (2, 4, 5), (2,)), "disagree"),
     (((4, 3), (3, 3, 5), (2,)), "disagree"),
     (((4,), (2, 3, 5), (2,)), "lhs \\[M,K\\]"),
+    (((4, 3, 1), (2, 3, 5), (2,)), "lhs \\[M,K\\]"),
+    (((4, 3), (3, 5), (2,)), "lhs \\[M,K\\]"),
+    (((4, 3), (2, 3, 5, 1), (2,)), "lhs \\[M,K\\]"),
+    (((4, 3), (2, 3, 5), ()), "lhs \\[M,K\\]"),
+    (((4, 3), (2, 3, 5), (2, 1)), "lhs \\[M,K\\]"),
+    (((4, 3), (1, 3, 5), (2,)), "disagree"),
+    # Equal sizes past CPython's shared small ints.
+    (((4, 300), (2, 300, 5), (2,)), None),
 ])
 def test_shape_checks(args, match):
   lhs, rhs, sizes = (jnp.zeros(s) for s in args)
@@ -157,3 +166,46 @@ def test_bad_impl_and_float_sizes():
   with pytest.raises(ValueError, match="integers"):
     gmm.gmm(lhs, rhs, jnp.zeros((2,)))
   assert gmm.resolve_impl("auto") == "xla"      # CPU
+
+
+@pytest.mark.parametrize("backend,want", [("tpu", "megablox"), ("gpu", "xla"),
+                                          ("cpu", "xla")])
+def test_auto_is_megablox_on_a_tpu_only(monkeypatch, backend, want):
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  assert gmm.resolve_impl("auto") == want
+  for impl in ("xla", "megablox", "ragged_dot"):
+    assert gmm.resolve_impl(impl) == impl
+
+
+def test_stated_rows_reads_the_innermost_scope():
+  scopes = "/".join(gmm.ROWS_SCOPE.format(r, 64) for r in (8, 16, 32))
+  assert gmm.stated_rows(f"jit(f)/{scopes}/dot_general") == (32, 64)
+  assert gmm.stated_rows("jit(f)/gmm_rows_8_of_64/dot") == (8, 64)
+  assert gmm.stated_rows("jit(f)/dot_general") is None
+
+
+def _varying(x):
+  kind = getattr(jax.typeof(x), "manual_axis_type", None)
+  return set(kind.varying) if kind is not None else set()
+
+
+def test_varying_like_types_a_value_as_its_references():
+  """Inside `shard_map`, a constant takes the mesh axes its references
+  vary over (a loop carry must); outside, it is returned as it is."""
+  mesh = jax.make_mesh((1,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  seen = {}
+
+  def body(ref):
+    zero = jnp.zeros((), ref.dtype)
+    seen["ref"], seen["zero"] = _varying(ref), _varying(zero)
+    seen["typed"] = _varying(gmm.varying_like(zero, ref))
+    seen["itself"] = _varying(gmm.varying_like(ref, ref))
+    return ref
+
+  jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"))(
+      jnp.zeros((1,)))
+  assert seen == {"ref": {"data"}, "zero": set(), "typed": {"data"},
+                  "itself": {"data"}}
+  plain = jnp.zeros(())
+  assert gmm.varying_like(plain, jnp.ones(())) is plain
