@@ -138,6 +138,7 @@ def test_work_items_cover_each_group_once(sizes, tm):
 @pytest.mark.parametrize("args, match", [
     (((4, 3), (2, 3, 5), (2,)), None),
     (((4, 3), (2, 4, 5), (2,)), "disagree"),
+    (((4, 4), (2, 3, 5), (2,)), "disagree"),
     (((4, 3), (3, 3, 5), (2,)), "disagree"),
     (((4, 3), (1, 3, 5), (2,)), "disagree"),
     (((4,), (2, 3, 5), (2,)), "^gmm takes lhs"),
