@@ -171,7 +171,8 @@ def test_bad_impl_and_float_sizes():
 
 
 @pytest.mark.parametrize("backend,want", [("tpu", "megablox"), ("gpu", "xla"),
-                                          ("cpu", "xla")])
+                                          ("cpu", "xla")],
+                         ids=["tpu", "gpu", "cpu"])
 def test_auto_picks_the_pallas_kernels_on_a_tpu_only(monkeypatch, backend,
                                                      want):
   # The backend's name as JAX returns it: a string made at run time.
