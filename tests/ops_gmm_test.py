@@ -232,3 +232,20 @@ def test_varying_like_adds_only_the_missing_axes():
   jax.shard_map(body, mesh=mesh, in_specs=(P("a"), P("b")),
                 out_specs=P("a"))(jnp.zeros((1,)), jnp.zeros((1,)))
   assert seen == {"typed": {"a", "b"}}
+
+
+def _tile_by_its_rule(M: int, G: int) -> int:
+  """`default_tile_m`'s rule as its docstring states it."""
+  fits = [t for t in (8, 16, 32, 64, 128) if (G - 1) * t <= M // 4]
+  return min(max(fits, default=8), -(-M // 8) * 8)
+
+
+def test_default_tile_m_follows_its_rule():
+  """The largest power of two in [8, 128] whose G - 1 partial tiles add at
+  most M / 4 rows, capped at M rounded up to 8."""
+  assert [gmm.default_tile_m(M, G) for M, G in (
+      (32768, 16), (4096, 9), (4096, 33), (1024, 64), (20, 3), (5, 1),
+      (100, 1), (129, 2))] == [128, 128, 32, 8, 8, 8, 104, 32]
+  for M in [*range(1, 700), 1024, 4096, 32768]:
+    for G in (1, 2, 3, 8, 16, 64, 128, 257):
+      assert gmm.default_tile_m(M, G) == _tile_by_its_rule(M, G), (M, G)
