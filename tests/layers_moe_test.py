@@ -8,12 +8,12 @@ import json
 import os
 import subprocess
 import sys
-from unittest import mock
 
 import haiku as hk
 import helpers
 import jax
 import jax.numpy as jnp
+import moe_support
 import numpy as np
 import process_support
 import pytest
@@ -164,43 +164,9 @@ def test_grouped_matmuls_equal_the_ragged_dot_layer(impl):
     assert numerics.rel_err(a, b) <= 1e-6
 
 
-def _emulated_ragged_exchange(operand, output, input_offsets, send_sizes,
-                              output_offsets, recv_sizes):
-  """`ragged_all_to_all` over `expert` as its documentation states it,
-  built from `all_to_all` (XLA:CPU has no ragged exchange, and JAX cannot
-  vmap one over its own axis): shard s's rows
-  `operand[input_offsets[j]:][:send_sizes[j]]` land on shard j at row
-  `output_offsets[j]` (shard s's value); shard j writes `recv_sizes[s]`
-  rows from each shard s."""
-  axis = parallel_maps.EXPERT_AXIS
-  N, i = operand.shape[0], jnp.arange(operand.shape[0])
-  rows = operand[jnp.minimum(input_offsets[:, None] + i, N - 1)]
-  buf = jnp.where((i < send_sizes[:, None])[..., None], rows, 0)
-  got = jax.lax.all_to_all(buf, axis, 0, 0)          # [n,N,D] by source
-  at = jax.lax.all_to_all(output_offsets, axis, 0, 0)
-  pos = jnp.where(i < recv_sizes[:, None], at[:, None] + i, output.shape[0])
-  return output.at[pos.reshape(-1)].set(got.reshape(-1, *got.shape[2:]),
-                                        mode="drop")
-
-
-def _expert_parallel_vmapped(x_nMD, idx_nMA, w_nMA, weights, impl="xla",
-                             capacity_factor=None, ragged=False):
-  """`expert_parallel_swiglu` on n shards as a `jax.vmap` over the
-  `expert` axis name (its all_to_all then needs no devices); `ragged`
-  exchanges through `_emulated_ragged_exchange`."""
-  n = x_nMD.shape[0]
-  local = [a.reshape(n, a.shape[0] // n, *a.shape[1:]) for a in weights]
-  fn = functools.partial(moe.expert_parallel_swiglu, shards=n, impl=impl,
-                         capacity_factor=capacity_factor, ragged=ragged)
-  with mock.patch.object(parallel_maps, "expert_ragged_exchange",
-                         _emulated_ragged_exchange):
-    return jax.vmap(fn, axis_name=parallel_maps.EXPERT_AXIS)(
-        x_nMD, idx_nMA, w_nMA, *local)
-
-
 def _sharded_loss(x, idx, w, weights, cot, ragged=False):
-  return jnp.sum(_expert_parallel_vmapped(x, idx, w, weights,
-                                          ragged=ragged) * cot)
+  return jnp.sum(moe_support.expert_parallel_vmapped(
+      x, idx, w, weights, ragged=ragged) * cot)
 
 
 def _whole_loss(x, idx, w, weights, cot):
@@ -300,8 +266,9 @@ def test_capacity_factor_drops_the_pairs_past_capacity():
   y_ref = moe.dispatch_swiglu(x.reshape(-1, D), idx.reshape(-1, A),
                               (w * keep).reshape(-1, A), *weights)
   for ragged in (False, True):
-    y = jax.jit(functools.partial(_expert_parallel_vmapped, ragged=ragged,
-                                  capacity_factor=0.5))(x, idx, w, weights)
+    y = jax.jit(functools.partial(moe_support.expert_parallel_vmapped,
+                                  ragged=ragged, capacity_factor=0.5))(
+                                      x, idx, w, weights)
     assert numerics.rel_err(y.reshape(-1, D), y_ref) <= 1e-6
 
 
@@ -442,7 +409,7 @@ def test_expert_parallel_grouped_matmuls_state_their_mean_rows():
   w = jnp.ones((n, M, A), jnp.float32)
   weights = [jnp.ones(s, jnp.float32)
              for s in ((E, D, F), (E, D, F), (E, F, D))]
-  loss = lambda x, ws: jnp.sum(_expert_parallel_vmapped(
+  loss = lambda x, ws: jnp.sum(moe_support.expert_parallel_vmapped(
       x, idx, w, ws, impl="megablox"))
   text = jax.jit(jax.grad(loss, (0, 1))).lower(x, weights).as_text(
       debug_info=True)
