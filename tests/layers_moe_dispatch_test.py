@@ -87,7 +87,7 @@ ROUTINGS = {
 
 
 @pytest.mark.parametrize("name", sorted(ROUTINGS))
-def test_dispatch_equals_a_loop_over_each_tokens_experts(name):
+def test_dispatch_swiglu_equals_a_loop_over_each_tokens_experts(name):
   """`dispatch_swiglu` (the default grouped matmul) against the per-token
   loop: the output and the gradients of the tokens, the combine weights
   and every expert weight."""
@@ -111,7 +111,7 @@ def test_dispatch_equals_a_loop_over_each_tokens_experts(name):
     assert numerics.rel_err(plain, want[0]) > 0.05
 
 
-def test_dispatch_keeps_the_tokens_dtype():
+def test_dispatch_swiglu_keeps_the_tokens_dtype():
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.normal(size=(3, D)), jnp.bfloat16)
   idx = jnp.asarray([[1, 0], [2, 1], [0, 3]], jnp.int32)
@@ -125,7 +125,7 @@ def _routing(rng, M, A):
   return order.astype(jnp.int32), moe._inverse(order).astype(jnp.int32)  # pylint: disable=protected-access
 
 
-def test_permutation_gradients_equal_autodiffs():
+def test_dispatch_swiglu_permutation_gradients_equal_autodiffs():
   """The sort's and the unsort's gradients (gathers by the inverse
   permutation) equal autodiff's of the plain gathers (scatter-adds)."""
   rng = np.random.default_rng(2)
@@ -150,7 +150,7 @@ def test_permutation_gradients_equal_autodiffs():
       lambda p: p[inverse], pairs)[1](g)[0])
 
 
-def test_copies_gradient_sums_each_token_in_float32():
+def test_dispatch_swiglu_copies_gradient_sums_each_token_in_float32():
   """A token's A copies' cotangents (bfloat16) are summed in float32 and
   rounded once: 1 + 2^-8 + 2^-8 is 1 + 2^-7, where bfloat16 sums would
   round each step back to 1."""
@@ -165,7 +165,7 @@ def test_copies_gradient_sums_each_token_in_float32():
                                 np.full((M, D), 1 + 2.0 ** -7))
 
 
-def test_combine_sums_in_float32_and_casts():
+def test_dispatch_swiglu_combine_sums_in_float32_and_casts():
   out = jnp.full((1, 3, 2), 1.0, jnp.bfloat16)
   w = jnp.asarray([[1.0, 2.0 ** -8, 2.0 ** -8]], jnp.bfloat16)
   y = moe._combine(out, w, jnp.bfloat16)  # pylint: disable=protected-access
@@ -174,7 +174,7 @@ def test_combine_sums_in_float32_and_casts():
                                 np.full((1, 2), 1 + 2.0 ** -7))
 
 
-def test_local_experts_run_each_row_through_its_expert():
+def test_expert_parallel_local_experts_run_each_row_through_its_own():
   """The received rows, in any order, through their local experts; a row
   marked E (an empty slot) comes back zero."""
   rng = np.random.default_rng(3)
@@ -210,7 +210,7 @@ def _ep_case(seed, n, M, A, routing):
 @functools.partial(jax.jit, static_argnames=("ragged", "limit"))
 def _ep(x, idx, w, weights, cot, ragged, limit):
   fn = lambda x, w, *ws: moe_support.expert_parallel_vmapped(
-      x, idx, w, ws, ragged=ragged, limit=limit)
+      x, idx, w, ws, impl="ragged_dot", ragged=ragged, limit=limit)
   return _value_and_grads(fn, x, w, weights, cot)
 
 
@@ -261,7 +261,8 @@ def test_expert_parallel_drops_the_pairs_past_capacity(ragged):
   keep = _kept_pairs(idx, 3, n)
   assert keep.sum() == 12 and keep[0, 1, 0] == 0 and keep[1, 3, 0] == 0
   y = jax.jit(functools.partial(moe_support.expert_parallel_vmapped,
-                                ragged=ragged, capacity_factor=0.75))(
+                                impl="ragged_dot", ragged=ragged,
+                                capacity_factor=0.75))(
                                     x, jnp.asarray(idx), w, weights)
   flat = lambda a: a.reshape(n * M, -1)
   want = _jit_loop(flat(idx))(flat(x), flat(w * keep), *weights)
@@ -291,57 +292,6 @@ def test_expert_parallel_states_the_mean_rows_received():
     cap = moe.exchange_capacity(M, A, E // n, n, c)
     assert seen == [rows, rows], (c, seen)
     assert moe.gmm.ROWS_SCOPE.format(rows, n * cap) in text, c
-
-
-def test_dispatch_off_a_mesh_is_dispatch_swiglu():
-  """[B,T,D] or [M,D] tokens without a mesh, and [M,D] tokens under one:
-  `dispatch_swiglu` of the flat tokens, in the tokens' shape."""
-  rng = np.random.default_rng(7)
-  x = jnp.asarray(rng.normal(size=(2, 3, D)), jnp.float32)
-  idx = jnp.asarray(rng.integers(0, E, (2, 3, 2)), jnp.int32)
-  w = jnp.asarray(rng.uniform(size=(2, 3, 2)), jnp.float32)
-  weights = tuple(_weights(rng))
-  want = _jit_loop(np.asarray(idx).reshape(6, 2), 0.5)(
-      x.reshape(6, D), w.reshape(6, 2), *weights).reshape(2, 3, D)
-  dispatch = jax.jit(moe._dispatch, static_argnums=(4, 5, 6))  # pylint: disable=protected-access
-  _assert_close(dispatch(x, idx, w, weights, "xla", None, 0.5), want)
-  flat = dispatch(x.reshape(6, D), idx.reshape(6, 2), w.reshape(6, 2),
-                  weights, "xla", None, 0.5)
-  _assert_close(flat, want.reshape(6, D))
-  mesh = jax.make_mesh((1,) * 4, sharding.AXES, axis_types=(AUTO,) * 4)
-  with jax.set_mesh(mesh), mock.patch.object(
-      parallel_maps, "token_map", side_effect=AssertionError):
-    flat = jax.jit(moe._dispatch, static_argnums=(4, 5, 6))(  # pylint: disable=protected-access
-        x.reshape(6, D), idx.reshape(6, 2), w.reshape(6, 2), weights,
-        "xla", None, 0.5)
-  _assert_close(flat, want.reshape(6, D))
-
-
-def test_dispatch_on_a_one_device_mesh_maps_the_tokens():
-  """Under a mesh without an `expert` axis of several devices each device
-  runs `dispatch_swiglu` on its tokens (`token_map`): on one device, the
-  value without a mesh."""
-  rng = np.random.default_rng(8)
-  x = jnp.asarray(rng.normal(size=(2, 3, D)), jnp.float32)
-  idx = jnp.asarray(rng.integers(0, E, (2, 3, 2)), jnp.int32)
-  w = jnp.asarray(rng.uniform(size=(2, 3, 2)), jnp.float32)
-  weights = tuple(_weights(rng))
-  want = _jit_loop(np.asarray(idx).reshape(6, 2), 0.5)(
-      x.reshape(6, D), w.reshape(6, 2), *weights).reshape(2, 3, D)
-  mesh = jax.make_mesh((1,) * 4, sharding.AXES, axis_types=(AUTO,) * 4)
-  calls = []
-  token_map = parallel_maps.token_map
-
-  def spy(*args):
-    calls.append(args[-1])
-    return token_map(*args)
-
-  with jax.set_mesh(mesh), mock.patch.object(parallel_maps, "token_map",
-                                             spy):
-    got = jax.jit(moe._dispatch, static_argnums=(4, 5, 6))(  # pylint: disable=protected-access
-        x, idx, w, weights, "xla", None, 0.5)
-  assert calls == [True]
-  _assert_close(got, want)
 
 
 def _traced_dispatch(mesh, impl, capacity_factor=None, B=4, T=6):
@@ -388,7 +338,7 @@ def _mesh(**sizes):
                                    axis_types=(AUTO,) * len(sizes))
 
 
-def test_dispatch_under_a_mesh_picks_the_token_or_expert_map():
+def test_dispatch_path_under_a_mesh_is_the_token_or_expert_map():
   """An `expert` axis of 2: `expert_map`, each device's 2 of the 4 experts
   and its 2 x 3 tokens through `expert_parallel_swiglu`, its capacity
   logged; of 1: `token_map` and `dispatch_swiglu` on the device's tokens.
@@ -416,6 +366,57 @@ def test_dispatch_under_a_mesh_picks_the_token_or_expert_map():
       "device, capacity factor None: 10 pairs from each device."]
 
 
+def test_dispatch_path_off_a_mesh_is_dispatch_swiglu():
+  """[B,T,D] or [M,D] tokens without a mesh, and [M,D] tokens under one:
+  `dispatch_swiglu` of the flat tokens, in the tokens' shape."""
+  rng = np.random.default_rng(7)
+  x = jnp.asarray(rng.normal(size=(2, 3, D)), jnp.float32)
+  idx = jnp.asarray(rng.integers(0, E, (2, 3, 2)), jnp.int32)
+  w = jnp.asarray(rng.uniform(size=(2, 3, 2)), jnp.float32)
+  weights = tuple(_weights(rng))
+  want = _jit_loop(np.asarray(idx).reshape(6, 2), 0.5)(
+      x.reshape(6, D), w.reshape(6, 2), *weights).reshape(2, 3, D)
+  dispatch = jax.jit(moe._dispatch, static_argnums=(4, 5, 6))  # pylint: disable=protected-access
+  _assert_close(dispatch(x, idx, w, weights, "xla", None, 0.5), want)
+  flat = dispatch(x.reshape(6, D), idx.reshape(6, 2), w.reshape(6, 2),
+                  weights, "xla", None, 0.5)
+  _assert_close(flat, want.reshape(6, D))
+  mesh = jax.make_mesh((1,) * 4, sharding.AXES, axis_types=(AUTO,) * 4)
+  with jax.set_mesh(mesh), mock.patch.object(
+      parallel_maps, "token_map", side_effect=AssertionError):
+    flat = jax.jit(moe._dispatch, static_argnums=(4, 5, 6))(  # pylint: disable=protected-access
+        x.reshape(6, D), idx.reshape(6, 2), w.reshape(6, 2), weights,
+        "xla", None, 0.5)
+  _assert_close(flat, want.reshape(6, D))
+
+
+def test_dispatch_path_on_a_one_device_mesh_maps_the_tokens():
+  """Under a mesh without an `expert` axis of several devices each device
+  runs `dispatch_swiglu` on its tokens (`token_map`): on one device, the
+  value without a mesh."""
+  rng = np.random.default_rng(8)
+  x = jnp.asarray(rng.normal(size=(2, 3, D)), jnp.float32)
+  idx = jnp.asarray(rng.integers(0, E, (2, 3, 2)), jnp.int32)
+  w = jnp.asarray(rng.uniform(size=(2, 3, 2)), jnp.float32)
+  weights = tuple(_weights(rng))
+  want = _jit_loop(np.asarray(idx).reshape(6, 2), 0.5)(
+      x.reshape(6, D), w.reshape(6, 2), *weights).reshape(2, 3, D)
+  mesh = jax.make_mesh((1,) * 4, sharding.AXES, axis_types=(AUTO,) * 4)
+  calls = []
+  token_map = parallel_maps.token_map
+
+  def spy(*args):
+    calls.append(args[-1])
+    return token_map(*args)
+
+  with jax.set_mesh(mesh), mock.patch.object(parallel_maps, "token_map",
+                                             spy):
+    got = jax.jit(moe._dispatch, static_argnums=(4, 5, 6))(  # pylint: disable=protected-access
+        x, idx, w, weights, "xla", None, 0.5)
+  assert calls == [True]
+  _assert_close(got, want)
+
+
 # The layer: 4 experts in 2 groups (1 kept), top-2, scaled weights.
 LAYER = dict(num_experts=E, num_experts_per_tok=2, intermediate_size=F,
              routed_scaling_factor=2.5, n_group=2, topk_group=1)
@@ -427,7 +428,7 @@ def _layer(**kwargs):
   return hk.without_apply_rng(hk.transform(fn))
 
 
-def test_moe_parameters():
+def test_moe_layer_parameters():
   """The router and its bias in float32 (the bias zero), the experts in
   `param_dtype`, the shared experts one SwiGLU of their summed width;
   each drawn with the scale of its input width (D for the router and the
@@ -487,7 +488,7 @@ _shared = jax.jit(_swiglu, static_argnums=4)
 
 
 @pytest.mark.parametrize("shared", [1, 0])
-def test_moe_equals_its_definition(shared):
+def test_moe_layer_equals_its_definition(shared):
   """Output and load against `_reference_layer`: the routed and shared
   experts with their own clamps (both binding here), padding tokens left
   out of the load."""
