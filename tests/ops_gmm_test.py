@@ -40,6 +40,51 @@ CASES = {
 }
 
 
+def test_megablox_tiles_interpret_mode_and_stated_rows(monkeypatch):
+  """The megablox call's tiles: rows `MEGABLOX_TILE_M`, or M rounded up
+  to 16 when fewer, or `tile_m`; K and N up to 512. Interpret mode on CPU
+  alone; the rows stated (`ROWS_SCOPE`) default to M."""
+  calls = []
+
+  def call(lhs, rhs, group_sizes, tiling, interpret, rows):
+    calls.append((tiling, interpret, rows, group_sizes.dtype))
+    return jnp.zeros((lhs.shape[0], rhs.shape[2]), lhs.dtype)
+
+  monkeypatch.setattr(gmm, "_megablox_call", call)
+
+  def run(M, K, N, tile_m=None, rows=None):
+    gmm.gmm(jnp.zeros((M, K)), jnp.zeros((2, K, N)),
+            jnp.zeros((2,), jnp.int16), impl="megablox", tile_m=tile_m,
+            rows=rows)
+
+  run(20, 16, 24)
+  run(1000, 600, 700, rows=300)
+  run(40, 8, 8, tile_m=8)
+  run(512, 513, 512)
+  monkeypatch.setattr(jax, "default_backend", lambda: "".join("tpu"))
+  run(16, 8, 8)
+  i32 = jnp.int32
+  assert calls == [((32, 16, 24), True, 20, i32),
+                   ((512, 512, 512), True, 300, i32),
+                   ((8, 8, 8), True, 40, i32),
+                   ((512, 512, 512), True, 512, i32),
+                   ((16, 8, 8), False, 16, i32)]
+
+
+def test_megablox_states_its_rows_forward_and_backward():
+  """Every op of the megablox forward and gradient carries the rows
+  stated: M by default, else `rows`."""
+  lhs, rhs, sizes, _ = _case([3, 5], M=12)
+  for rows, want in ((None, 12), (8, 8)):
+    loss = lambda a, b, r=rows: jnp.sum(gmm.gmm(a, b, sizes,
+                                                impl="megablox", rows=r))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(lhs, rhs).as_text(
+        debug_info=True)
+    stated = set(re.findall(gmm.ROWS_SCOPE.format(r"(\d+)", r"(\d+)"),
+                            text))
+    assert stated == {(str(want), "12")}, (rows, stated)
+
+
 @pytest.mark.parametrize("impl", ["xla", "megablox"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_ragged_dot(impl, name):
