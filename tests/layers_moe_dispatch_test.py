@@ -29,7 +29,7 @@ from testbed import numerics
 # Tiny arrays: compiling dominates (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
-D, E, F = 8, 4, 4
+D, E, F = 8, 4, 6   # Distinct: a size read from the wrong axis fails.
 TOL = 1e-6
 AUTO = jax.sharding.AxisType.Auto
 
@@ -99,8 +99,9 @@ def test_dispatch_swiglu_equals_a_loop_over_each_tokens_experts(name):
   w = jnp.asarray(rng.uniform(size=(M, A)), jnp.float32)
   weights = _weights(rng)
   cot = jnp.asarray(rng.normal(size=(M, D)), jnp.float32)
+  clamp = {"limit": limit} if limit else {}     # By default, no clamp.
   got = jax.jit(lambda x, w, ws, i: _value_and_grads(
-      lambda x, w, *ws: moe.dispatch_swiglu(x, i, w, *ws, limit=limit),
+      lambda x, w, *ws: moe.dispatch_swiglu(x, i, w, *ws, **clamp),
       x, w, ws, cot))(x, w, weights, jnp.asarray(idx))
   want = jax.jit(lambda x, w, ws: _value_and_grads(
       lambda x, w, *ws: _loop(x, idx, w, *ws, limit=limit), x, w, ws,
@@ -111,13 +112,16 @@ def test_dispatch_swiglu_equals_a_loop_over_each_tokens_experts(name):
     assert numerics.rel_err(plain, want[0]) > 0.05
 
 
-def test_dispatch_swiglu_keeps_the_tokens_dtype():
+def test_dispatch_swiglu_keeps_the_tokens_dtype_and_keyword_options():
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.normal(size=(3, D)), jnp.bfloat16)
   idx = jnp.asarray([[1, 0], [2, 1], [0, 3]], jnp.int32)
   w = jnp.asarray(rng.uniform(size=(3, 2)), jnp.float32)
-  y = jax.eval_shape(moe.dispatch_swiglu, x, idx, w, *_weights(rng))
+  weights = _weights(rng)
+  y = jax.eval_shape(moe.dispatch_swiglu, x, idx, w, *weights)
   assert y.dtype == jnp.bfloat16 and y.shape == (3, D)
+  with pytest.raises(TypeError, match="positional"):
+    moe.dispatch_swiglu(x, idx, w, *weights, "xla")
 
 
 def _routing(rng, M, A):
