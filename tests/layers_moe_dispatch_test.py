@@ -273,6 +273,33 @@ def test_expert_parallel_drops_the_pairs_past_capacity(ragged):
   _assert_close(y.reshape(n * M, D), want)
 
 
+def test_expert_parallel_exchange_is_ragged_where_supported():
+  """`ragged=None` exchanges ragged where the backend runs it, padded
+  elsewhere; True or False is followed whatever the backend."""
+  n, M, A = 2, 3, 2
+  x, idx, w, weights, _ = _ep_case(7, n, M, A, "random")
+  called = []
+
+  def spy(kind, real, *args):
+    called.append(kind)
+    return real(*args)
+
+  spies = {f"_{kind}_exchange": functools.partial(
+      spy, kind, getattr(moe, f"_{kind}_exchange"))
+           for kind in ("ragged", "padded")}
+  for ragged, supported, want in ((None, True, "ragged"),
+                                  (None, False, "padded"),
+                                  (True, False, "ragged"),
+                                  (False, True, "padded")):
+    called.clear()
+    with mock.patch.multiple(moe, **spies), mock.patch.object(
+        parallel_maps, "ragged_exchange_supported", lambda s=supported: s):
+      jax.eval_shape(functools.partial(
+          moe_support.expert_parallel_vmapped, impl="ragged_dot",
+          ragged=ragged), x, jnp.asarray(idx), w, weights)
+    assert called == [want], (ragged, supported, called)
+
+
 def test_expert_parallel_states_the_mean_rows_received():
   """The grouped matmuls of the local experts are told the rows a device
   receives on average, M*A or the n*cap its buffer holds if fewer; the
