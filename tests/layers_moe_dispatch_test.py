@@ -458,8 +458,11 @@ LAYER = dict(num_experts=E, num_experts_per_tok=2, intermediate_size=F,
              routed_scaling_factor=2.5, n_group=2, topk_group=1)
 
 
-def _layer(**kwargs):
+def _layer(defaults=False, **kwargs):
+  """`LAYER` with `kwargs`, or with `defaults` only E, A and F."""
   def fn(x, valid=None):
+    if defaults:
+      return moe.MoE(E, 2, F, name="moe")(x, valid)
     return moe.MoE(**LAYER, name="moe", **kwargs)(x, valid)
   return hk.without_apply_rng(hk.transform(fn))
 
@@ -497,13 +500,14 @@ def test_moe_layer_parameters():
   assert sorted(none) == ["moe"]
 
 
-def _reference_layer(params, x, valid, limits, shared):
+def _reference_layer(params, x, valid, limits, shared, grouped=True):
   """The layer by its definition: `route`'s experts and weights for the
-  sigmoid scores, the loop over each token's experts, plus the shared
+  sigmoid scores (`LAYER`'s groups and scale, or with `grouped` False
+  `route`'s defaults), the loop over each token's experts, plus the shared
   SwiGLU; and `expert_load` of the routing."""
   p = params["moe"]
   x_MD = x.reshape(-1, D)
-  idx, w = _route(x_MD, p["router"], p[moe.BIAS_NAME])
+  idx, w = _route(x_MD, p["router"], p[moe.BIAS_NAME], grouped)
   y = _jit_loop(np.asarray(idx), limits[0])(
       x_MD, w, p["gate_proj"], p["up_proj"], p["down_proj"])
   if shared:
@@ -514,17 +518,21 @@ def _reference_layer(params, x, valid, limits, shared):
   return y.reshape(x.shape), load
 
 
-@jax.jit
-def _route(x_MD, router, bias):
-  return moe.route(jax.nn.sigmoid(x_MD @ router), bias, 2, n_group=2,
-                   topk_group=1, routed_scaling_factor=2.5)
+@functools.partial(jax.jit, static_argnums=3)
+def _route(x_MD, router, bias, grouped):
+  scores = jax.nn.sigmoid(x_MD @ router)
+  if not grouped:
+    return moe.route(scores, bias, 2)
+  return moe.route(scores, bias, 2, n_group=2, topk_group=1,
+                   routed_scaling_factor=2.5)
 
 
 _shared = jax.jit(_swiglu, static_argnums=4)
 
 
-# name: (shared experts, the routed and shared clamps; None: the
-# module's defaults, no clamp).
+# name: (shared experts, the routed and shared clamps; None: every
+# option at the module's default: one shared expert, no clamp, no groups,
+# renormalised weights, no scale).
 LAYERS = {"clamped": (1, (0.5, 0.25)), "defaults": (1, None),
           "routed_only": (0, (0.5, 0.25))}
 
@@ -538,19 +546,23 @@ def test_moe_layer_equals_its_definition(name):
   rng = np.random.default_rng(9)
   x = jnp.asarray(3 * rng.normal(size=(2, 3, D)), jnp.float32)
   valid = jnp.asarray([[True, True, False], [True, False, True]])
-  clamps = {} if limits is None else dict(swiglu_limit=limits[0],
-                                          shared_swiglu_limit=limits[1])
-  limits = limits or (0.0, 0.0)
-  layer = _layer(num_shared_experts=shared, **clamps)
+  if limits is None:
+    layer, limits, grouped = _layer(defaults=True), (0.0, 0.0), False
+  else:
+    layer, grouped = _layer(num_shared_experts=shared,
+                            swiglu_limit=limits[0],
+                            shared_swiglu_limit=limits[1]), True
   params = jax.jit(layer.init)(jax.random.key(1), x)
   params["moe"][moe.BIAS_NAME] = jnp.asarray([0.3, -0.2, 0.1, 0.0])
   y, load = jax.jit(layer.apply)(params, x, valid)
-  want_y, want_load = _reference_layer(params, x, valid, limits, shared)
+  want_y, want_load = _reference_layer(params, x, valid, limits, shared,
+                                       grouped)
   _assert_close(y, want_y)
   np.testing.assert_array_equal(load, want_load)
   assert float(want_load.sum()) == 2 * 4
   # Each clamp binds: without it the reference differs.
   for other in ((0.0, limits[1]), (limits[0], 0.0))[:1 + shared]:
     if other != limits:
-      plain, _ = _reference_layer(params, x, valid, other, shared)
+      plain, _ = _reference_layer(params, x, valid, other, shared,
+                                  grouped)
       assert numerics.rel_err(plain, want_y) > 0.01, other
