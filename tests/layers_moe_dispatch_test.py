@@ -178,26 +178,6 @@ def test_dispatch_swiglu_combine_sums_in_float32_and_casts():
                                 np.full((1, 2), 1 + 2.0 ** -7))
 
 
-def test_expert_parallel_local_experts_run_each_row_through_its_own():
-  """The received rows, in any order, through their local experts; a row
-  marked E (an empty slot) comes back zero."""
-  rng = np.random.default_rng(3)
-  local = np.asarray([1, 2, 0, 1, 0, 2, 0, 1])       # E = 2 local experts
-  rows = jnp.asarray(rng.normal(size=(len(local), D)), jnp.float32)
-  weights = _weights(rng, 2)
-  # Per source (2) and expert: 3 rows for expert 0, 3 for expert 1 (the
-  # sums over the sources; those over the experts differ).
-  got_counts = jnp.asarray([[2, 0], [1, 3]], jnp.int32)
-  out = jax.jit(lambda rows, ws: moe._local_experts(  # pylint: disable=protected-access
-      rows, jnp.asarray(local), got_counts, ws, "xla", 0.0, None))(
-          rows, weights)
-  want = jax.jit(lambda rows, ws: jnp.stack([
-      _swiglu(rows[r], *(a[e] for a in ws)) if e < 2 else jnp.zeros(D)
-      for r, e in enumerate(local)]))(rows, weights)
-  _assert_close(out, want)
-  assert not np.any(np.asarray(out)[local == 2])
-
-
 def _ep_case(seed, n, M, A, routing):
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.normal(size=(n, M, D)), jnp.float32)
@@ -209,6 +189,20 @@ def _ep_case(seed, n, M, A, routing):
   w = jnp.asarray(rng.uniform(size=(n, M, A)), jnp.float32)
   cot = jnp.asarray(rng.normal(size=(n, M, D)), jnp.float32)
   return x, idx, w, _weights(rng), cot
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["padded", "ragged"])
+def test_expert_parallel_output_equals_the_loop(ragged):
+  """The output alone (a quick first check): 2 shards of 3 tokens, 2
+  experts each, against the per-token loop over all tokens."""
+  n, M, A = 2, 3, 2
+  x, idx, w, weights, _ = _ep_case(4, n, M, A, "random")
+  y = jax.jit(functools.partial(moe_support.expert_parallel_vmapped,
+                                impl="ragged_dot", ragged=ragged))(
+                                    x, jnp.asarray(idx), w, weights)
+  flat = lambda a: a.reshape(n * M, -1)
+  want = _jit_loop(flat(idx))(flat(x), flat(w), *weights)
+  _assert_close(y.reshape(n * M, D), want)
 
 
 @functools.partial(jax.jit, static_argnames=("ragged", "limit"))
@@ -271,6 +265,26 @@ def test_expert_parallel_drops_the_pairs_past_capacity(ragged):
   flat = lambda a: a.reshape(n * M, -1)
   want = _jit_loop(flat(idx))(flat(x), flat(w * keep), *weights)
   _assert_close(y.reshape(n * M, D), want)
+
+
+def test_expert_parallel_local_experts_run_each_row_through_its_own():
+  """The received rows, in any order, through their local experts; a row
+  marked E (an empty slot) comes back zero."""
+  rng = np.random.default_rng(3)
+  local = np.asarray([1, 2, 0, 1, 0, 2, 0, 1])       # E = 2 local experts
+  rows = jnp.asarray(rng.normal(size=(len(local), D)), jnp.float32)
+  weights = _weights(rng, 2)
+  # Per source (2) and expert: 3 rows for expert 0, 3 for expert 1 (the
+  # sums over the sources; those over the experts differ).
+  got_counts = jnp.asarray([[2, 0], [1, 3]], jnp.int32)
+  out = jax.jit(lambda rows, ws: moe._local_experts(  # pylint: disable=protected-access
+      rows, jnp.asarray(local), got_counts, ws, "xla", 0.0, None))(
+          rows, weights)
+  want = jax.jit(lambda rows, ws: jnp.stack([
+      _swiglu(rows[r], *(a[e] for a in ws)) if e < 2 else jnp.zeros(D)
+      for r, e in enumerate(local)]))(rows, weights)
+  _assert_close(out, want)
+  assert not np.any(np.asarray(out)[local == 2])
 
 
 def test_expert_parallel_exchange_is_ragged_where_supported():
