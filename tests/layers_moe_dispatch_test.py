@@ -409,11 +409,12 @@ def test_dispatch_path_under_a_mesh_is_the_token_or_expert_map():
   assert seen["log"] == [
       "Expert-parallel MoE: 2 experts per device of 4, 5 tokens per "
       "device, capacity factor None: 10 pairs from each device."]
-  seen, _ = _traced_dispatch(_mesh(expert=4), "xla", 2.0, B=4, T=2)
+  # Fewer local experts than A = 2: a token sends each device at most 1.
+  seen, _ = _traced_dispatch(_mesh(expert=4), "xla", None, B=4, T=2)
   assert seen["expert_parallel"][0][2]["shards"] == 4
   assert seen["log"] == [
       "Expert-parallel MoE: 1 experts per device of 4, 2 tokens per "
-      "device, capacity factor 2.0: 2 pairs from each device."]
+      "device, capacity factor None: 2 pairs from each device."]
 
 
 def test_dispatch_path_off_a_mesh_is_dispatch_swiglu():
