@@ -568,6 +568,11 @@ def test_moe_layer_equals_its_definition(name):
                             swiglu_limit=limits[0],
                             shared_swiglu_limit=limits[1]), True
   params = jax.jit(layer.init)(jax.random.key(1), x)
+  widths = {k: v["w"].shape for k, v in params.items() if "shared" in k}
+  assert widths == ({} if not shared else {
+      "moe/shared_experts/gate_proj": (D, F),
+      "moe/shared_experts/up_proj": (D, F),
+      "moe/shared_experts/down_proj": (F, D)}), widths
   params["moe"][moe.BIAS_NAME] = jnp.asarray([0.3, -0.2, 0.1, 0.0])
   y, load = jax.jit(layer.apply)(params, x, valid)
   want_y, want_load = _reference_layer(params, x, valid, limits, shared,
