@@ -398,13 +398,15 @@ def test_dispatch_path_under_a_mesh_is_the_token_or_expert_map():
   assert seen["log"] == [
       "Expert-parallel MoE: 2 experts per device of 4, 6 tokens per "
       "device, capacity factor 0.5: 3 pairs from each device."]
-  seen, _ = _traced_dispatch(_mesh(data=2, expert=1, context=3),
-                             "megablox")
+  # An impl named at run time (as from a config), not the interned
+  # literal.
+  megablox = "".join(["mega", "blox"])
+  seen, _ = _traced_dispatch(_mesh(data=2, expert=1, context=3), megablox)
   assert seen["dispatch"] == [((4, D), (E, D, F), dict(impl="megablox",
                                                        limit=0.5))]
   assert seen["token_map"] == [False] and not seen["expert_map"]
   assert not seen["expert_parallel"] and not seen["log"]
-  seen, _ = _traced_dispatch(_mesh(expert=2), "megablox", None, B=2, T=5)
+  seen, _ = _traced_dispatch(_mesh(expert=2), megablox, None, B=2, T=5)
   assert seen["expert_map"] == [False]
   assert seen["log"] == [
       "Expert-parallel MoE: 2 experts per device of 4, 5 tokens per "
