@@ -192,10 +192,12 @@ def _ep_case(seed, n, M, A, routing):
 
 
 @pytest.mark.parametrize("ragged", [False, True], ids=["padded", "ragged"])
-def test_expert_parallel_output_equals_the_loop(ragged):
-  """The output alone (a quick first check): 2 shards of 3 tokens, 2
-  experts each, against the per-token loop over all tokens."""
-  n, M, A = 2, 3, 2
+@pytest.mark.parametrize("n", [2, 4])
+def test_expert_parallel_output_equals_the_loop(n, ragged):
+  """The output alone (a quick first check): n shards of 3 tokens, 4/n
+  experts each (with 4, fewer than a token's A = 2), against the
+  per-token loop over all tokens."""
+  M, A = 3, 2
   x, idx, w, weights, _ = _ep_case(4, n, M, A, "random")
   y = jax.jit(functools.partial(moe_support.expert_parallel_vmapped,
                                 impl="ragged_dot", ragged=ragged))(
