@@ -191,6 +191,58 @@ def _ep_case(seed, n, M, A, routing):
   return x, idx, w, _weights(rng), cot
 
 
+def test_expert_parallel_exchange_is_ragged_where_supported():
+  """`ragged=None` exchanges ragged where the backend runs it, padded
+  elsewhere; True or False is followed whatever the backend."""
+  n, M, A = 2, 3, 2
+  x, idx, w, weights, _ = _ep_case(7, n, M, A, "random")
+  called = []
+
+  def spy(kind, real, *args):
+    called.append(kind)
+    return real(*args)
+
+  spies = {f"_{kind}_exchange": functools.partial(
+      spy, kind, getattr(moe, f"_{kind}_exchange"))
+           for kind in ("ragged", "padded")}
+  for ragged, supported, want in ((None, True, "ragged"),
+                                  (None, False, "padded"),
+                                  (True, False, "ragged"),
+                                  (False, True, "padded")):
+    called.clear()
+    with mock.patch.multiple(moe, **spies), mock.patch.object(
+        parallel_maps, "ragged_exchange_supported", lambda s=supported: s):
+      jax.eval_shape(functools.partial(
+          moe_support.expert_parallel_vmapped, impl="ragged_dot",
+          ragged=ragged), x, jnp.asarray(idx), w, weights)
+    assert called == [want], (ragged, supported, called)
+
+
+def test_expert_parallel_states_the_mean_rows_received():
+  """The grouped matmuls of the local experts are told the rows a device
+  receives on average, M*A or the n*cap its buffer holds if fewer; the
+  ragged exchange states the same of its buffer in its name scope."""
+  n, M, A = 2, 4, 2
+  x, idx, w, weights, _ = _ep_case(6, n, M, A, "random")
+  seen = []
+  real_gmm = moe.gmm.gmm
+
+  def gmm(*args, rows=None, **kwargs):
+    seen.append(rows)
+    return real_gmm(*args, rows=rows, **kwargs)
+
+  for c, rows in ((None, M * A), (0.75, n * 3)):
+    seen.clear()
+    with mock.patch.object(moe.gmm, "gmm", gmm):
+      text = jax.jit(functools.partial(
+          moe_support.expert_parallel_vmapped, ragged=True,
+          capacity_factor=c)).lower(x, jnp.asarray(idx), w, weights).as_text(
+              debug_info=True)
+    cap = moe.exchange_capacity(M, A, E // n, n, c)
+    assert seen == [rows, rows], (c, seen)
+    assert moe.gmm.ROWS_SCOPE.format(rows, n * cap) in text, c
+
+
 @pytest.mark.parametrize("ragged", [False, True], ids=["padded", "ragged"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_expert_parallel_output_equals_the_loop(n, ragged):
@@ -287,58 +339,6 @@ def test_expert_parallel_local_experts_run_each_row_through_its_own():
       for r, e in enumerate(local)]))(rows, weights)
   _assert_close(out, want)
   assert not np.any(np.asarray(out)[local == 2])
-
-
-def test_expert_parallel_exchange_is_ragged_where_supported():
-  """`ragged=None` exchanges ragged where the backend runs it, padded
-  elsewhere; True or False is followed whatever the backend."""
-  n, M, A = 2, 3, 2
-  x, idx, w, weights, _ = _ep_case(7, n, M, A, "random")
-  called = []
-
-  def spy(kind, real, *args):
-    called.append(kind)
-    return real(*args)
-
-  spies = {f"_{kind}_exchange": functools.partial(
-      spy, kind, getattr(moe, f"_{kind}_exchange"))
-           for kind in ("ragged", "padded")}
-  for ragged, supported, want in ((None, True, "ragged"),
-                                  (None, False, "padded"),
-                                  (True, False, "ragged"),
-                                  (False, True, "padded")):
-    called.clear()
-    with mock.patch.multiple(moe, **spies), mock.patch.object(
-        parallel_maps, "ragged_exchange_supported", lambda s=supported: s):
-      jax.eval_shape(functools.partial(
-          moe_support.expert_parallel_vmapped, impl="ragged_dot",
-          ragged=ragged), x, jnp.asarray(idx), w, weights)
-    assert called == [want], (ragged, supported, called)
-
-
-def test_expert_parallel_states_the_mean_rows_received():
-  """The grouped matmuls of the local experts are told the rows a device
-  receives on average, M*A or the n*cap its buffer holds if fewer; the
-  ragged exchange states the same of its buffer in its name scope."""
-  n, M, A = 2, 4, 2
-  x, idx, w, weights, _ = _ep_case(6, n, M, A, "random")
-  seen = []
-  real_gmm = moe.gmm.gmm
-
-  def gmm(*args, rows=None, **kwargs):
-    seen.append(rows)
-    return real_gmm(*args, rows=rows, **kwargs)
-
-  for c, rows in ((None, M * A), (0.75, n * 3)):
-    seen.clear()
-    with mock.patch.object(moe.gmm, "gmm", gmm):
-      text = jax.jit(functools.partial(
-          moe_support.expert_parallel_vmapped, ragged=True,
-          capacity_factor=c)).lower(x, jnp.asarray(idx), w, weights).as_text(
-              debug_info=True)
-    cap = moe.exchange_capacity(M, A, E // n, n, c)
-    assert seen == [rows, rows], (c, seen)
-    assert moe.gmm.ROWS_SCOPE.format(rows, n * cap) in text, c
 
 
 def _traced_dispatch(mesh, impl, capacity_factor=None, B=4, T=6):
