@@ -300,18 +300,32 @@ def _kept_pairs(idx_nMA, cap, n):
   return keep
 
 
+# Expert ids [n=2, M=4, A=2] and the pairs kept with 3 from each shard to
+# each. "partly": shard 0 sends 5 pairs to shard 0 (2 to expert 0, then
+# 3 to expert 1) and keeps 3; shard 1 sends 5 to shard 1 and keeps 3.
+# "whole_expert": shard 0 sends 4 pairs to expert 0, so none of its 2
+# pairs for expert 1 is kept.
+CAPACITY_CASES = {
+    "partly": ([[[0, 1], [1, 2], [0, 3], [2, 1]],
+                [[3, 2], [1, 3], [2, 0], [3, 1]]], 12),
+    "whole_expert": ([[[0, 1], [0, 2], [0, 3], [1, 0]],
+                      [[3, 2], [1, 3], [2, 0], [3, 1]]], 11),
+}
+
+
 @pytest.mark.parametrize("ragged", [False, True], ids=["padded", "ragged"])
-def test_expert_parallel_drops_the_pairs_past_capacity(ragged):
+@pytest.mark.parametrize("case", sorted(CAPACITY_CASES))
+def test_expert_parallel_drops_the_pairs_past_capacity(case, ragged):
   """Capacity factor 0.75 over 2 shards of 4 tokens (top-2): 3 pairs from
   each shard to each; the result is the loop's without the pairs past
   that (their weights zeroed), which are the last in expert order."""
   n, M, A = 2, 4, 2
   x, _, w, weights, _ = _ep_case(5, n, M, A, "random")
-  idx = np.asarray([[[0, 1], [1, 2], [0, 3], [2, 1]],
-                    [[3, 2], [1, 3], [2, 0], [3, 1]]], np.int32)
+  ids, kept = CAPACITY_CASES[case]
+  idx = np.asarray(ids, np.int32)
   assert moe.exchange_capacity(M, A, E // n, n, 0.75) == 3
   keep = _kept_pairs(idx, 3, n)
-  assert keep.sum() == 12 and keep[0, 1, 0] == 0 and keep[1, 3, 0] == 0
+  assert keep.sum() == kept, keep
   y = jax.jit(functools.partial(moe_support.expert_parallel_vmapped,
                                 impl="ragged_dot", ragged=ragged,
                                 capacity_factor=0.75))(
