@@ -178,17 +178,17 @@ def test_dispatch_swiglu_combine_sums_in_float32_and_casts():
                                 np.full((1, 2), 1 + 2.0 ** -7))
 
 
-def _ep_case(seed, n, M, A, routing):
+def _ep_case(seed, n, M, A, routing, experts=E):
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.normal(size=(n, M, D)), jnp.float32)
   if routing == "one_shard":        # every pair on the last shard's experts
-    idx = np.tile([E - 1, E - 2][:A], (n * M, 1))
+    idx = np.tile([experts - 1, experts - 2][:A], (n * M, 1))
   else:
-    idx = np.stack([rng.permutation(E)[:A] for _ in range(n * M)])
+    idx = np.stack([rng.permutation(experts)[:A] for _ in range(n * M)])
   idx = idx.reshape(n, M, A).astype(np.int32)
   w = jnp.asarray(rng.uniform(size=(n, M, A)), jnp.float32)
   cot = jnp.asarray(rng.normal(size=(n, M, D)), jnp.float32)
-  return x, idx, w, _weights(rng), cot
+  return x, idx, w, _weights(rng, experts), cot
 
 
 def test_expert_parallel_exchange_is_ragged_where_supported():
@@ -244,13 +244,13 @@ def test_expert_parallel_states_the_mean_rows_received():
 
 
 @pytest.mark.parametrize("ragged", [False, True], ids=["padded", "ragged"])
-@pytest.mark.parametrize("n", [2, 4])
-def test_expert_parallel_output_equals_the_loop(n, ragged):
-  """The output alone (a quick first check): n shards of 3 tokens, 4/n
-  experts each (with 4, fewer than a token's A = 2), against the
-  per-token loop over all tokens."""
+@pytest.mark.parametrize("n,experts", [(2, 4), (4, 4), (2, 6)])
+def test_expert_parallel_output_equals_the_loop(n, experts, ragged):
+  """The output alone (a quick first check): n shards of 3 tokens, each
+  with experts/n of the experts (with 4 shards, fewer than a token's
+  A = 2), against the per-token loop over all tokens."""
   M, A = 3, 2
-  x, idx, w, weights, _ = _ep_case(4, n, M, A, "random")
+  x, idx, w, weights, _ = _ep_case(4, n, M, A, "random", experts)
   y = jax.jit(functools.partial(moe_support.expert_parallel_vmapped,
                                 impl="ragged_dot", ragged=ragged))(
                                     x, jnp.asarray(idx), w, weights)
