@@ -32,16 +32,18 @@ def emulated_ragged_exchange(operand, output, input_offsets, send_sizes,
 
 
 def expert_parallel_vmapped(x_nMD, idx_nMA, w_nMA, weights, impl="xla",
-                            capacity_factor=None, ragged=False, limit=0.0):
+                            capacity_factor=None, ragged=False, limit=None):
   """`moe.expert_parallel_swiglu` on n shards as a `jax.vmap` over the
   `expert` axis name (its all_to_all then needs no devices); `ragged`
   exchanges through `emulated_ragged_exchange`. `weights`: the global
-  (gate [E,D,F], up [E,D,F], down [E,F,D]), split into n shards here."""
+  (gate [E,D,F], up [E,D,F], down [E,F,D]), split into n shards here.
+  `limit`: the experts' clamp, None for the function's default."""
   n = x_nMD.shape[0]
   local = [a.reshape(n, a.shape[0] // n, *a.shape[1:]) for a in weights]
+  clamp = {} if limit is None else {"limit": limit}
   fn = functools.partial(moe.expert_parallel_swiglu, shards=n, impl=impl,
                          capacity_factor=capacity_factor, ragged=ragged,
-                         limit=limit)
+                         **clamp)
   with mock.patch.object(parallel_maps, "expert_ragged_exchange",
                          emulated_ragged_exchange):
     return jax.vmap(fn, axis_name=parallel_maps.EXPERT_AXIS)(
