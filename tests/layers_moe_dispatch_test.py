@@ -193,9 +193,12 @@ def _ep_case(seed, n, M, A, routing, experts=E):
 
 def test_expert_parallel_exchange_is_ragged_where_supported():
   """`ragged=None` exchanges ragged where the backend runs it, padded
-  elsewhere; True or False is followed whatever the backend."""
+  elsewhere; True or False is followed whatever the backend. The options
+  are keyword-only."""
   n, M, A = 2, 3, 2
   x, idx, w, weights, _ = _ep_case(7, n, M, A, "random")
+  with pytest.raises(TypeError, match="positional"):
+    moe.expert_parallel_swiglu(x[0], jnp.asarray(idx[0]), w[0], *weights, n)
   called = []
 
   def spy(kind, real, *args):
