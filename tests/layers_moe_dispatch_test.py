@@ -247,11 +247,12 @@ def test_expert_parallel_states_the_mean_rows_received():
 
 
 @pytest.mark.parametrize("ragged", [False, True], ids=["padded", "ragged"])
-@pytest.mark.parametrize("n,experts", [(2, 4), (4, 4), (2, 6)])
+@pytest.mark.parametrize("n,experts", [(2, 4), (4, 4), (2, 6), (2, 8)])
 def test_expert_parallel_output_equals_the_loop(n, experts, ragged):
   """The output alone (a quick first check): n shards of 3 tokens, each
   with experts/n of the experts (with 4 shards, fewer than a token's
-  A = 2), against the per-token loop over all tokens."""
+  A = 2; with 8 experts, more than one (source, expert) segment after
+  n + E), against the per-token loop over all tokens."""
   M, A = 3, 2
   x, idx, w, weights, _ = _ep_case(4, n, M, A, "random", experts)
   y = jax.jit(functools.partial(moe_support.expert_parallel_vmapped,
