@@ -457,6 +457,12 @@ class StandInModel:
         params[slot.module] = {moe.BIAS_NAME: normal(*shape)}
     return params
 
+  @staticmethod
+  def hidden(params, inputs, positions):
+    """The final hidden states [B,T,D]."""
+    return params["embed"]["embeddings"][inputs] * (
+        1.0 + positions[..., None] / 8.0)
+
   def apply(self, params, inputs, segment_ids=None, positions=None,
             return_aux=False, **kwargs):
     cfg = self.cfg
@@ -464,8 +470,7 @@ class StandInModel:
     logits = kwargs.pop("logits", True)
     assert not kwargs, kwargs
     self.calls.append((inputs.shape[0], return_aux, logits))
-    h = params["embed"]["embeddings"][inputs] * (
-        1.0 + positions[..., None] / 8.0)
+    h = self.hidden(params, inputs, positions)
     head = (params["lm_head"]["w"] if cfg is None
             else model_lib.head_weight(cfg, params))
     out = h @ head if logits else h

@@ -213,8 +213,9 @@ def test_update_is_an_sgd_step_on_the_plain_loss(kind, n, chunks):
   params = model.init(0, VOCAB, WIDTH)
   batch = jax.tree.map(jnp.asarray, _batch(1))
   tx, state = _state(params)
-  update = jax.jit(step_lib.make_update_fn(model, tx, _schedule, cfg, n,
-                                           chunks))
+  # The first case by the defaults: no config, one micro-batch, one piece.
+  args = () if (cfg, n, chunks) == (None, 1, 1) else (cfg, n, chunks)
+  update = jax.jit(step_lib.make_update_fn(model, tx, _schedule, *args))
   new, metrics = update(state, batch)
   (_, (main, accuracy, mtp)), grads = jax.value_and_grad(
       lambda p: _plain_loss(cfg, p, batch), has_aux=True)(params)
