@@ -28,6 +28,106 @@ def _shift(x, k):
   return jnp.concatenate([x[:, k:], jnp.zeros_like(x[:, :k])], axis=1)
 
 
+class _Recorder:
+  """A model that records the arguments of each `apply`."""
+
+  def __init__(self):
+    self.calls = []
+
+  def apply(self, params, inputs, **kwargs):
+    self.calls.append((params, inputs, kwargs))
+    return inputs
+
+
+def test_apply_batch_passes_the_batch_and_the_mode():
+  """The packed batch's inputs, segment ids and positions; `return_aux`
+  False and no `logits` argument unless asked (a model that is not
+  kda_lm's takes none); `logits=False` passed as such."""
+  batch = {"inputs": np.arange(3), "segment_ids": np.ones(3, np.int32),
+           "positions": np.arange(3) + 1, "targets": np.zeros(3)}
+  model = _Recorder()
+  params = {"p": 1}
+  losses.apply_batch(model, params, batch)
+  losses.apply_batch(model, params, batch, return_aux=True)
+  losses.apply_batch(model, params, batch, logits=False)
+  losses.apply_batch(model, params, batch, True, True)
+  common = {"segment_ids": batch["segment_ids"],
+            "positions": batch["positions"]}
+  want = [dict(common, return_aux=False), dict(common, return_aux=True),
+          dict(common, return_aux=False, logits=False),
+          dict(common, return_aux=True)]
+  assert len(model.calls) == len(want)
+  for (p, inputs, kwargs), w in zip(model.calls, want, strict=True):
+    assert p is params and inputs is batch["inputs"]
+    assert kwargs.keys() == w.keys()
+    for key, value in w.items():
+      assert kwargs[key] is value
+
+
+def test_eval_step_in_pieces_needs_the_head():
+  """`chunks` > 1 without `head_weight` is refused by name; one piece
+  without it and several with it are not."""
+  model = helpers.StandInModel()
+  losses.make_eval_step(model, chunks=1)
+  losses.make_eval_step(model, head_weight=lambda p: p, chunks=2)
+  with pytest.raises(ValueError) as info:
+    losses.make_eval_step(model, chunks=2)
+  assert str(info.value) == ("An eval step in loss_chunks > 1 pieces needs "
+                             "the model's head_weight.")
+
+
+def _head_inputs(seed, B=2, T=8):
+  """Hidden states, a head, and targets of which about half are the
+  logits' argmax (so the correct count is neither 0 nor all), a mask with
+  holes."""
+  rng = np.random.default_rng(seed)
+  y = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(D, W)), jnp.float32)
+  top = np.asarray(jnp.argmax(y @ w, -1))
+  other = rng.integers(0, W, (B, T))
+  targets = np.where(rng.random((B, T)) < 0.5, top, other).astype(np.int32)
+  mask = (rng.random((B, T)) < 0.75).astype(np.float32)
+  return y, w, {"targets": jnp.asarray(targets),
+                "loss_mask": jnp.asarray(mask)}
+
+
+def _plain_sums(y, w, batch):
+  """[masked cross-entropy sum, masked correct count] of y @ w."""
+  logits = y @ w
+  mask = batch["loss_mask"]
+  hits = jnp.argmax(logits, -1) == batch["targets"]
+  return jnp.stack([(_ce(logits, batch["targets"]) * mask).sum(),
+                    (hits * mask).sum()])
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_chunked_head_sums_every_piece(chunks):
+  """The head's loss and correct sums in 1, 2 or 4 pieces (the plain pass,
+  no gradient) are those of the whole logits. Tolerance: float32 sums in
+  another order, 1e-6 relative."""
+  y, w, batch = _head_inputs(1)
+  want = _plain_sums(y, w, batch)
+  assert 0 < float(want[1]) < float(batch["loss_mask"].sum())
+  got = losses.loss_terms(y, batch, head_DW=w, chunks=chunks)
+  np.testing.assert_allclose(got[:2], want, rtol=1e-6)
+
+
+def test_chunked_head_gradient_follows_the_cotangent():
+  """The head's gradient wrt the hidden states and the head, pulled back
+  from a cotangent (g_loss, g_correct) = (-3, 5), is -3 times autodiff's
+  gradient of the plain loss sum: the correct count carries none.
+  Tolerance: float32, 1e-5 relative."""
+  y, w, batch = _head_inputs(2)
+  sums = lambda a, b: jnp.stack(losses.loss_terms(a, batch, b, 2)[:2])
+  got_sums, pull = jax.vjp(sums, y, w)
+  np.testing.assert_allclose(got_sums, _plain_sums(y, w, batch), rtol=1e-6)
+  got = pull(jnp.asarray([-3.0, 5.0]))
+  want = jax.grad(lambda a, b: _plain_sums(a, b, batch)[0], (0, 1))(y, w)
+  for g, h in zip(got, want, strict=True):
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, -3.0 * h, rtol=1e-5, atol=1e-6)
+
+
 def _row():
   """helpers.LOSS_ROW with targets below W: documents of 3 and 4 scored
   targets, then padding, so MTP layers 1 to 4 score 5, 3, 1 and 0."""
@@ -85,94 +185,6 @@ def test_mtp_loss_is_the_mean_of_each_layers_mean():
                              np.mean(sums[:2] / counts[:2]), rtol=1e-6)
 
 
-def _head_inputs(seed, B=2, T=8):
-  """Hidden states, a head, and targets of which about half are the
-  logits' argmax (so the correct count is neither 0 nor all), a mask with
-  holes."""
-  rng = np.random.default_rng(seed)
-  y = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
-  w = jnp.asarray(rng.normal(size=(D, W)), jnp.float32)
-  top = np.asarray(jnp.argmax(y @ w, -1))
-  other = rng.integers(0, W, (B, T))
-  targets = np.where(rng.random((B, T)) < 0.5, top, other).astype(np.int32)
-  mask = (rng.random((B, T)) < 0.75).astype(np.float32)
-  return y, w, {"targets": jnp.asarray(targets),
-                "loss_mask": jnp.asarray(mask)}
-
-
-def _plain_sums(y, w, batch):
-  """[masked cross-entropy sum, masked correct count] of y @ w."""
-  logits = y @ w
-  mask = batch["loss_mask"]
-  hits = jnp.argmax(logits, -1) == batch["targets"]
-  return jnp.stack([(_ce(logits, batch["targets"]) * mask).sum(),
-                    (hits * mask).sum()])
-
-
-@pytest.mark.parametrize("chunks", [1, 2, 4])
-def test_chunked_head_sums_every_piece(chunks):
-  """The head's loss and correct sums in 1, 2 or 4 pieces (the plain pass,
-  no gradient) are those of the whole logits. Tolerance: float32 sums in
-  another order, 1e-6 relative."""
-  y, w, batch = _head_inputs(1)
-  want = _plain_sums(y, w, batch)
-  assert 0 < float(want[1]) < float(batch["loss_mask"].sum())
-  got = losses.loss_terms(y, batch, head_DW=w, chunks=chunks)
-  np.testing.assert_allclose(got[:2], want, rtol=1e-6)
-
-
-def test_chunked_head_gradient_follows_the_cotangent():
-  """The head's gradient wrt the hidden states and the head, pulled back
-  from a cotangent (g_loss, g_correct) = (-3, 5), is -3 times autodiff's
-  gradient of the plain loss sum: the correct count carries none.
-  Tolerance: float32, 1e-5 relative."""
-  y, w, batch = _head_inputs(2)
-  sums = lambda a, b: jnp.stack(losses.loss_terms(a, batch, b, 2)[:2])
-  got_sums, pull = jax.vjp(sums, y, w)
-  np.testing.assert_allclose(got_sums, _plain_sums(y, w, batch), rtol=1e-6)
-  got = pull(jnp.asarray([-3.0, 5.0]))
-  want = jax.grad(lambda a, b: _plain_sums(a, b, batch)[0], (0, 1))(y, w)
-  for g, h in zip(got, want, strict=True):
-    assert g.dtype == jnp.float32
-    np.testing.assert_allclose(g, -3.0 * h, rtol=1e-5, atol=1e-6)
-
-
-class _Recorder:
-  """A model that records the arguments of each `apply`."""
-
-  def __init__(self):
-    self.calls = []
-
-  def apply(self, params, inputs, **kwargs):
-    self.calls.append((params, inputs, kwargs))
-    return inputs
-
-
-def test_apply_batch_passes_the_batch_and_the_mode():
-  """The packed batch's inputs, segment ids and positions; `return_aux`
-  False and no `logits` argument unless asked (a model that is not
-  kda_lm's takes none); `logits=False` passed as such."""
-  batch = {"inputs": np.arange(3), "segment_ids": np.ones(3, np.int32),
-           "positions": np.arange(3) + 1, "targets": np.zeros(3)}
-  model = _Recorder()
-  params = {"p": 1}
-  losses.apply_batch(model, params, batch)
-  losses.apply_batch(model, params, batch, return_aux=True)
-  losses.apply_batch(model, params, batch, logits=False)
-  losses.apply_batch(model, params, batch, True, True)
-  common = {"segment_ids": batch["segment_ids"],
-            "positions": batch["positions"]}
-  want = [dict(common, return_aux=False), dict(common, return_aux=True),
-          dict(common, return_aux=False, logits=False),
-          dict(common, return_aux=True)]
-  assert len(model.calls) == len(want)
-  for (p, inputs, kwargs), w in zip(model.calls, want, strict=True):
-    assert p is params and inputs is batch["inputs"]
-    assert kwargs.keys() == w.keys()
-    for key, value in w.items():
-      assert kwargs[key] is value
-
-
 def _eval_batch(seed, T):
   rng = np.random.default_rng(seed)
   seg = np.ones((2, T), np.int32)
@@ -196,10 +208,10 @@ def test_eval_step_sums_against_the_plain_formula(T, chunks):
   model = helpers.StandInModel(cfg)
   params = model.init(0, W, D)
   batch = _eval_batch(T, T)
-  logits = model.hidden(params, batch["inputs"], batch["positions"]) @ (
-      params["lm_head"]["w"])
+  plain = _plain_sums(model.hidden(params, batch["inputs"],
+                                   batch["positions"]),
+                      params["lm_head"]["w"], batch)
   mask = batch["loss_mask"]
-  plain = _plain_sums_of_logits(logits, batch)
   token_bytes = np.arange(W, dtype=np.float32) % 5 + 1
   nbytes = float((token_bytes[np.asarray(batch["targets"])] * mask).sum())
   head = lambda p: p["lm_head"]["w"]
@@ -216,22 +228,3 @@ def test_eval_step_sums_against_the_plain_formula(T, chunks):
     np.testing.assert_allclose(
         got, [plain[0], plain[1], mask.sum(), want_bytes], rtol=1e-6)
     assert model.calls == [(2, False, want_logits)]
-
-
-def _plain_sums_of_logits(logits, batch):
-  mask = batch["loss_mask"]
-  hits = jnp.argmax(logits, -1) == batch["targets"]
-  return [float((_ce(logits, batch["targets"]) * mask).sum()),
-          float((hits * mask).sum())]
-
-
-def test_eval_step_in_pieces_needs_the_head():
-  """`chunks` > 1 without `head_weight` is refused by name; one piece
-  without it and several with it are not."""
-  model = helpers.StandInModel()
-  losses.make_eval_step(model, chunks=1)
-  losses.make_eval_step(model, head_weight=lambda p: p, chunks=2)
-  with pytest.raises(ValueError) as info:
-    losses.make_eval_step(model, chunks=2)
-  assert str(info.value) == ("An eval step in loss_chunks > 1 pieces needs "
-                             "the model's head_weight.")
