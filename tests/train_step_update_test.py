@@ -300,9 +300,8 @@ def test_micro_batches_sum_to_the_batch_not_average():
 
 def test_loss_fn_terms_and_its_bad_split():
   """`_loss_fn`'s loss is main + mtp_loss_scale * MTP loss, each divided by
-  the given denominators (not the batch's own counts), the head in one
-  piece unless told. A split of the loss without the model config is
-  refused."""
+  the given denominators (not the batch's own counts). A split of the loss
+  without the model config is refused."""
   cfg = _config("moe_mtp")
   model = helpers.StandInModel(cfg)
   params = model.init(5, VOCAB, WIDTH)
@@ -316,14 +315,29 @@ def test_loss_fn_terms_and_its_bad_split():
   np.testing.assert_allclose(extra["accuracy"], accuracy / 2, rtol=1e-5)
   np.testing.assert_allclose(extra["mtp_loss"], mtp / 2, rtol=1e-5)
   np.testing.assert_allclose(loss, (main + SCALE * mtp) / 2, rtol=1e-5)
-  # One piece unless told: 7 tokens split in no other way.
-  short = jax.tree.map(lambda x: x[:, :7], batch)
-  loss, _ = jax.jit(_loss_fn(model, cfg))(params, short,
-                                          _denominators(short, cfg))
-  np.testing.assert_allclose(loss, _plain_loss(cfg, params, short)[0],
-                             rtol=1e-5)
   _loss_fn(model, None, 1)
   with pytest.raises(ValueError) as info:
     _loss_fn(model, None, 2)
   assert str(info.value) == (
       "config.train.loss_chunks > 1 needs the model config.")
+
+
+def test_one_piece_and_one_micro_batch_unless_told():
+  """With a model config, the loss and the update run the head in one
+  piece and the batch in one micro-batch unless told: on rows of 7 tokens
+  (split in no other way) they give the plain loss, the model called on
+  all B rows."""
+  cfg = _config("mtp")
+  model = helpers.StandInModel(cfg)
+  params = model.init(6, VOCAB, WIDTH)
+  short = jax.tree.map(lambda x: jnp.asarray(x[:, :7]), _batch(5))
+  want, (main, _, _) = _plain_loss(cfg, params, short)
+  loss, _ = jax.jit(_loss_fn(model, cfg))(params, short,
+                                          _denominators(short, cfg))
+  np.testing.assert_allclose(loss, want, rtol=1e-5)
+  tx, state = _state(params)
+  model.calls.clear()
+  _, metrics = jax.jit(step_lib.make_update_fn(model, tx, _schedule, cfg))(
+      state, short)
+  np.testing.assert_allclose(metrics["loss"], main, rtol=1e-5)
+  assert {rows for rows, _, _ in model.calls} == {B}
