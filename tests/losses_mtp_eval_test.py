@@ -180,9 +180,10 @@ def test_mtp_loss_is_the_mean_of_each_layers_mean():
   weights = jnp.asarray([2.0, 4.0, 8.0, 16.0])
   np.testing.assert_allclose(mtp_loss(logits, batch, weights),
                              np.mean(sums / np.asarray(weights)), rtol=1e-6)
-  # Fewer layers: the mean over those only.
-  np.testing.assert_allclose(mtp_loss(logits[:2], batch),
-                             np.mean(sums[:2] / counts[:2]), rtol=1e-6)
+  # An odd number of layers: the mean over those only (4 layers + 1 is
+  # also 4 ^ 1 and 4 | 1; 3 + 1 is neither).
+  np.testing.assert_allclose(mtp_loss(logits[:3], batch),
+                             np.mean(sums[:3] / counts[:3]), rtol=1e-6)
 
 
 def _eval_batch(seed, T):
