@@ -247,21 +247,21 @@ def _attend(offset, local, gathered, replicated):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("more_local", [True, False],
-                         ids=["two_local", "two_gathered"])
+@pytest.mark.parametrize("two", [True, False], ids=["two_each", "one_each"])
 def test_gather_map_gives_each_shard_the_whole_rows_and_its_offset(
-    mesh, n, more_local):
+    mesh, n, two):
   """Each shard's `fn` gets its slices of `local`, the whole rows of
   `gathered`, the `replicated` arrays and its first token's global
-  position (int32): `fn` on the whole row at offset 0. Two local arrays
-  and one gathered, or one local and two gathered."""
+  position (int32): `fn` on the whole row at offset 0. Two arrays of each
+  kind, or one (counts whose sum differs from their `|` and `^`)."""
   rng = np.random.default_rng(n)
   arrays = lambda *shape: rng.normal(size=shape).astype(np.float32)
   q, kv, w = arrays(2, 16, 3), arrays(2, 16, 3), arrays(3)
-  if more_local:
-    local, gathered, replicated = [q, arrays(2, 16, 5)], [kv], [w, arrays(5)]
+  if two:
+    local, gathered = [q, arrays(2, 16, 5)], [kv, _ids()]
+    replicated = [w, arrays(5)]
   else:
-    local, gathered, replicated = [q], [kv, _ids()], [w]
+    local, gathered, replicated = [q], [kv], [w]
   offsets = []
 
   def fn(offset, *rest):
