@@ -340,6 +340,19 @@ def test_chunk_kda_without_context_runs_the_op_on_each_rows(
   assert mesh.check_vma == [False] and not mesh.pcasts
 
 
+def test_chunk_kda_takes_the_ops_arguments_the_same_way():
+  """As `ops.chunk_kda`: the five inputs by position or by name, the
+  options by name only (traced, not compiled)."""
+  args, kwargs = _kda_case("pre", True, False, False)
+  by_name = dict(zip(("q", "k", "v", "g", "beta"), args, strict=True))
+  got = jax.eval_shape(lambda: context_parallel.chunk_kda(**by_name,
+                                                          **kwargs))
+  assert got[0].shape == args[2].shape and got[1] is None
+  ids = kwargs.pop("segment_ids")
+  with pytest.raises(TypeError, match="positional argument"):
+    context_parallel.chunk_kda(*args, ids, **kwargs)
+
+
 def test_chunk_kda_without_a_mesh_is_the_op():
   """Outside a mesh: `ops.chunk_kda` itself, `cu_seqlens` included."""
   args, kwargs = _kda_case("softplus", False, True, True)
