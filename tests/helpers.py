@@ -13,6 +13,9 @@
 - The training tests' tiny delayed-copy model and stand-in batches
   (`TINY_TRAIN_OVERRIDES`, `tiny_train_overrides`, `tiny_train_config`,
   `table_batch`, `one_device_batch_sharding`).
+- The update and eval steps' stand-in model (`StandInModel`): the
+  kda_lm model's interface and outputs in a few matmuls, no compile of a
+  real model.
 - Training runs: `train.py` in a subprocess on a generated config file
   (`write_config_file`, `train_command`, `run_train`, `train_rows`), and a
   stand-in run for the loop's log rows (`Clock`, `LoopRun`).
@@ -32,6 +35,7 @@ import types
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import process_support
@@ -40,7 +44,8 @@ import tokenizers
 from configs import ling3_tiny
 from data import pipeline
 from kda_lm import config as config_lib
-from kda_lm.layers import rope
+from kda_lm import model as model_lib
+from kda_lm.layers import moe, rope
 from kda_lm.parallel import sharding
 from kda_lm.train import ahead, metrics, preemption
 from kda_lm.train import loop as train_loop
@@ -415,3 +420,72 @@ def jaxpr_eqns(jaxpr):
           yield from jaxpr_eqns(sub.jaxpr)
         elif isinstance(sub, jax.extend.core.Jaxpr):
           yield from jaxpr_eqns(sub)
+
+
+class StandInModel:
+  """A stand-in for `kda_lm.model.build(cfg)`'s model, in a few matmuls.
+
+  `apply(params, inputs, segment_ids=, positions=, return_aux=, logits=)`
+  returns what the real model does, from simple formulas a test can redo:
+  hidden states `h = embed[inputs] * (1 + positions / 8)`, logits
+  `h @ head_weight(cfg, params)`; with `return_aux`, MTP layer k's hidden
+  states `tanh(h @ mtp[k])` (`mtp_hidden`, or their logits as
+  `mtp_logits`) and an expert load [MoE layers + MTP layers, E] counting
+  the non-padding tokens `(input + layer) % E`. `cfg=None` is a model that
+  is not kda_lm's: logits only, and it takes no `logits` argument. Each
+  call's `(rows, return_aux, logits)` is recorded in `calls`.
+  """
+
+  def __init__(self, cfg=None):
+    self.cfg = cfg
+    self.calls = []
+
+  def init(self, seed, vocab, width):
+    """Random float32 parameters, with each MoE layer's selection bias
+    (`router_bias_slots`) and the MTP layers' weights."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    params = {"embed": {"embeddings": normal(vocab, width)},
+              "lm_head": {"w": normal(width, vocab)}}
+    cfg = self.cfg
+    if cfg is not None and cfg.num_mtp_layers:
+      params["mtp"] = {"w": normal(cfg.num_mtp_layers, width, width)}
+    if cfg is not None and cfg.num_experts:
+      for slot in model_lib.router_bias_slots(cfg):
+        shape = ((len(slot.rows),) if slot.stacked else ()) + (
+            cfg.num_experts,)
+        params[slot.module] = {moe.BIAS_NAME: normal(*shape)}
+    return params
+
+  @staticmethod
+  def hidden(params, inputs, positions):
+    """The final hidden states [B,T,D]."""
+    return params["embed"]["embeddings"][inputs] * (
+        1.0 + positions[..., None] / 8.0)
+
+  def apply(self, params, inputs, segment_ids=None, positions=None,
+            return_aux=False, **kwargs):
+    cfg = self.cfg
+    assert cfg is not None or "logits" not in kwargs
+    logits = kwargs.pop("logits", True)
+    assert not kwargs, kwargs
+    self.calls.append((inputs.shape[0], return_aux, logits))
+    h = self.hidden(params, inputs, positions)
+    head = (params["lm_head"]["w"] if cfg is None
+            else model_lib.head_weight(cfg, params))
+    out = h @ head if logits else h
+    if not return_aux:
+      return out
+    aux = {}
+    if cfg.num_mtp_layers:
+      mtp_h = jnp.stack([jnp.tanh(h @ w) for w in params["mtp"]["w"]])
+      aux["mtp_logits" if logits else "mtp_hidden"] = (
+          mtp_h @ head if logits else mtp_h)
+    if cfg.num_experts:
+      layers = sum(map(cfg.is_moe_layer, range(cfg.num_layers)))
+      real = (segment_ids != 0).astype(jnp.float32)[..., None]
+      aux["expert_load"] = jnp.stack([
+          (jax.nn.one_hot((inputs + i) % cfg.num_experts, cfg.num_experts)
+           * real).sum((0, 1))
+          for i in range(layers + cfg.num_mtp_layers)])
+    return out, aux

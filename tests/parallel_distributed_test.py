@@ -5,6 +5,8 @@ backend, gloo collectives, one CPU device each) and checks their losses
 against one process with two fake CPU devices fed the same global batch.
 """
 
+import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import helpers
 import jax
@@ -378,6 +381,189 @@ def test_wait_for_coordinator_times_out():
                      r"not answer within 1\.5 s"):
     distributed.wait_for_coordinator(address, 1.5)
   assert 1.2 < time.monotonic() - start < 10
+
+
+class _FakeNetwork:
+  """A clock, `time.sleep` and `socket.create_connection` for
+  `wait_for_coordinator`: the clock starts at `start`; the i-th sleep
+  moves it by `steps[i]` (default: the time asked); the coordinator
+  accepts connections from `opens_at` on (never when None)."""
+
+  def __init__(self, start, steps=(), opens_at=None):
+    self.now, self.steps, self.opens_at = start, list(steps), opens_at
+    self.attempts, self.sleeps = [], []
+    self.time = types.SimpleNamespace(monotonic=lambda: self.now,
+                                      sleep=self._sleep)
+    self.socket = types.SimpleNamespace(create_connection=self._connect)
+
+  def _sleep(self, seconds):
+    self.sleeps.append(seconds)
+    self.now += self.steps.pop(0) if self.steps else seconds
+
+  def _connect(self, address, timeout):
+    self.attempts.append((address, timeout, self.now))
+    if self.opens_at is None or self.now < self.opens_at:
+      raise ConnectionRefusedError(111, "Connection refused")
+    return contextlib.nullcontext()
+
+
+def _on_fake_network(monkeypatch, network):
+  monkeypatch.setattr(distributed, "time", network.time)
+  monkeypatch.setattr(distributed, "socket", network.socket)
+  return network
+
+
+def test_wait_for_coordinator_retries_until_the_port_opens(monkeypatch):
+  """Attempts every 0.2 s, each waiting at most 1 s, to the bracketed
+  IPv6 host and the integer port, until the coordinator accepts."""
+  net = _on_fake_network(monkeypatch, _FakeNetwork(
+      start=1000.0, steps=[0.5, 2.0], opens_at=1002.5))
+  assert distributed.wait_for_coordinator("[::1]:23456", 5) is None
+  assert net.attempts == [(("::1", 23456), 1.0, 1000.0),
+                          (("::1", 23456), 1.0, 1000.5),
+                          (("::1", 23456), 1.0, 1002.5)]
+  assert all(type(port) is int for (_, port), _, _ in net.attempts)
+  assert net.sleeps == [0.2, 0.2]
+
+
+def test_wait_for_coordinator_gives_up_at_its_deadline(monkeypatch):
+  """Each attempt waits the time left (at most 1 s, at least 0.01 s); the
+  wait stops once another 0.2 s would reach the deadline, with the last
+  connection error as the cause."""
+  address = "".join(["10.0.0.1:", "80"])
+  net = _on_fake_network(monkeypatch, _FakeNetwork(
+      start=8.0, steps=[0.25, 0.25, 0.25, 0.25, 0.5]))
+  with pytest.raises(TimeoutError) as info:
+    distributed.wait_for_coordinator(address, 1.5)
+  assert str(info.value) == (
+      "The coordinator at 10.0.0.1:80 (config.mesh.coordinator_address) "
+      "did not answer within 1.5 s (config.mesh.coordinator_timeout_s): "
+      "[Errno 111] Connection refused. Start process 0 on that host and "
+      "port, check the address, or raise the timeout.")
+  assert isinstance(info.value.__cause__, ConnectionRefusedError)
+  assert [(a, t, now) for a, t, now in net.attempts] == [
+      (("10.0.0.1", 80), 1.0, 8.0), (("10.0.0.1", 80), 1.0, 8.25),
+      (("10.0.0.1", 80), 1.0, 8.5), (("10.0.0.1", 80), 0.75, 8.75),
+      (("10.0.0.1", 80), 0.5, 9.0), (("10.0.0.1", 80), 0.01, 9.5)]
+  assert net.sleeps == [0.2] * 5
+  # An attempt exactly 0.2 s before the deadline is the last one.
+  assert 0.8 + 0.2 == 1.0
+  net = _on_fake_network(monkeypatch, _FakeNetwork(start=0.0, steps=[0.8]))
+  with pytest.raises(TimeoutError, match="within 1 s"):
+    distributed.wait_for_coordinator("localhost:1", 1)
+  assert [now for _, _, now in net.attempts] == [0.0, 0.8]
+
+
+def test_wait_for_coordinator_returns_once_a_real_port_listens():
+  """A port bound but not yet listening refuses connections; the wait
+  returns soon after it starts listening."""
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{sock.getsockname()[1]}"
+    timer = threading.Timer(0.5, sock.listen)
+    start = time.monotonic()
+    timer.start()
+    try:
+      distributed.wait_for_coordinator(address, 30)
+    finally:
+      timer.join()
+    assert 0.4 < time.monotonic() - start < 10
+
+
+class _Exited(Exception):
+  pass
+
+
+@pytest.mark.parametrize("count,index,error,line", [
+    (2, 0, RuntimeError("  Gloo: Connection reset by peer\nat op 3\n"),
+     "Process 0 of 2 lost process 1 of the run (RuntimeError: Gloo: "
+     "Connection reset by peer)."),
+    (2, 1, ValueError("UNAVAILABLE"),
+     "Process 1 of 2 lost process 0 of the run (ValueError: UNAVAILABLE)."),
+    (3, 2, RuntimeError(""),
+     "Process 2 of 3 lost another process of the run (RuntimeError: )."),
+    (4, 0, RuntimeError("barrier " + "x" * 300),
+     "Process 0 of 4 lost another process of the run (RuntimeError: "
+     "barrier " + "x" * 292 + ")."),
+], ids=["first_of_2", "second_of_2", "no_message", "long_message"])
+def test_stop_for_lost_peer_logs_one_line_flushes_and_exits(
+    monkeypatch, count, index, error, line):
+  """One error line naming the lost process (of 2) and the error's first
+  line (300 characters at most), the logs and streams flushed, then
+  `os._exit(PEER_LOST_EXIT)` (JAX's exit handler would wait for the dead
+  process)."""
+  events = []
+  stream = lambda name: types.SimpleNamespace(
+      flush=lambda: events.append(f"flush {name}"))
+  monkeypatch.setattr(jax, "process_count", lambda: count)
+  monkeypatch.setattr(jax, "process_index", lambda: index)
+  monkeypatch.setattr(distributed.logging, "error",
+                      lambda message, *args: events.append(message % args))
+  monkeypatch.setattr(distributed.logging, "flush",
+                      lambda: events.append("flush log"))
+  monkeypatch.setattr(distributed, "sys", types.SimpleNamespace(
+      stdout=stream("stdout"), stderr=stream("stderr")))
+
+  def exit_now(status):
+    events.append(f"exit {status}")
+    raise _Exited()
+
+  monkeypatch.setattr(distributed.os, "_exit", exit_now)
+  with pytest.raises(_Exited):
+    distributed.stop_for_lost_peer(error)
+  assert events == [
+      line + " Stopping; restart every process to resume from the newest "
+      "complete checkpoint.", "flush log", "flush stdout", "flush stderr",
+      "exit 76"]
+  assert distributed.PEER_LOST_EXIT == 76
+
+
+@pytest.mark.parametrize("platforms,env,chosen", [
+    (None, None, True), ("", None, True), ("cpu", None, True),
+    ("tpu,cpu", None, True), ("tpu", None, False), ("cuda,tpu", None, False),
+    ("cpu", "mpi", False), (None, "gloo", False), ("cpu", "", True),
+])
+def test_gloo_is_chosen_for_cpu_unless_the_environment_chose(
+    monkeypatch, platforms, env, chosen):
+  """Gloo CPU collectives when the CPU backend may run (no platform list,
+  or one naming cpu) and JAX_CPU_COLLECTIVES_IMPLEMENTATION is unset or
+  empty."""
+  updates = []
+  config = types.SimpleNamespace(
+      jax_platforms=platforms,
+      update=lambda name, value: updates.append((name, value)))
+  monkeypatch.setattr(distributed, "jax", types.SimpleNamespace(
+      config=config))
+  if env is None:
+    monkeypatch.delenv(distributed.CPU_COLLECTIVES_ENV, raising=False)
+  else:
+    monkeypatch.setenv(distributed.CPU_COLLECTIVES_ENV, env)
+  distributed._use_gloo_on_cpu()  # pylint: disable=protected-access
+  want = [("jax_cpu_collectives_implementation", "gloo")] if chosen else []
+  assert updates == want
+
+
+def test_backends_are_initialized_asks_jax(monkeypatch):
+  """The answer of JAX's own check, whichever it is."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax._src import xla_bridge
+  # pylint: disable-next=protected-access
+  check = distributed._backends_are_initialized
+  for answer in (False, True):
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized",
+                        lambda answer=answer: answer)
+    assert check() is answer
+
+
+def test_options_are_frozen_with_a_100_s_heartbeat():
+  """The fields in order, the heartbeat's default, no assignment."""
+  opts = distributed.Options("h:1", 2, 1, 30)
+  assert opts.heartbeat_s == 100
+  assert [f.name for f in dataclasses.fields(opts)] == [
+      "coordinator_address", "num_processes", "process_id", "timeout_s",
+      "heartbeat_s"]
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    opts.timeout_s = 60  # pytype: disable=attribute-error
 
 
 def test_train_py_without_coordinator_fails_in_time(tmp_path):

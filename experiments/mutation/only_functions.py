@@ -8,9 +8,10 @@ Run it after `cosmic-ray init` and before `cosmic-ray exec`: it deletes
 from the session database every work item whose mutation starts outside
 the named functions of MODULE.py (their lines from `ast`, decorators
 included) or lies in another module. A name is a function's or a method's
-(`save`), or qualified by its class (`CheckpointManager.save`); a name
-matching several definitions keeps them all. Nested functions are inside
-their parent. Prints the counts kept and removed per function.
+(`save`), or qualified by its class (`CheckpointManager.save`), or a
+class's (`Options`: the whole class, its decorators and fields included);
+a name matching several definitions keeps them all. Nested functions are
+inside their parent. Prints the counts kept and removed per function.
 """
 
 import ast
@@ -21,7 +22,8 @@ import sys
 
 def function_ranges(source: str, names: list[str]) -> dict[str, list[tuple[
     int, int]]]:
-  """name -> [(first line, last line)] of the definitions it names."""
+  """name -> [(first line, last line)] of the definitions (functions,
+  methods, classes) it names."""
   ranges = {name: [] for name in names}
 
   def visit(node, prefix):
@@ -34,6 +36,11 @@ def function_ranges(source: str, names: list[str]) -> dict[str, list[tuple[
             ranges[name].append((first, child.end_lineno))
         visit(child, prefix + child.name + ".")
       elif isinstance(child, ast.ClassDef):
+        first = min([child.lineno] +
+                    [d.lineno for d in child.decorator_list])
+        for name in (child.name, prefix + child.name):
+          if name in ranges and (first, child.end_lineno) not in ranges[name]:
+            ranges[name].append((first, child.end_lineno))
         visit(child, prefix + child.name + ".")
       else:
         visit(child, prefix)
