@@ -8,6 +8,7 @@ every row, that end inside a tile, and with rows past the last group.
 
 import re
 
+import helpers
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -85,9 +86,72 @@ def test_megablox_states_its_rows_forward_and_backward():
     assert stated == {(str(want), "12")}, (rows, stated)
 
 
+def test_megablox_kernels_get_the_rows_padded_to_whole_tiles_only(
+    monkeypatch):
+  """The kernels see M rows rounded up to a whole tile, no more, in the
+  forward (`gmm`) and both gradients (`gmm` of the output's gradient,
+  `tgmm` of the inputs by it)."""
+  # pylint: disable-next=protected-access
+  kernels, seen = gmm._megablox_kernels(), []
+
+  class Spy:
+    @staticmethod
+    def gmm(lhs, *args, **kwargs):
+      seen.append(("gmm", lhs.shape[0]))
+      return kernels.gmm(lhs, *args, **kwargs)
+
+    @staticmethod
+    def tgmm(lhs, rhs, *args, **kwargs):
+      seen.append(("tgmm", lhs.shape[1], rhs.shape[0]))
+      return kernels.tgmm(lhs, rhs, *args, **kwargs)
+
+  monkeypatch.setattr(gmm, "_megablox_kernels", lambda: Spy)
+  for M, padded in ((40, 48), (32, 32)):            # tiles of 16 rows
+    seen.clear()
+    lhs, rhs, sizes, _ = _case([7, 20, 5], M=M)
+    loss = lambda a, b, s=sizes: jnp.sum(gmm.gmm(a, b, s, impl="megablox",
+                                                 tile_m=16))
+    jax.grad(loss, argnums=(0, 1))(lhs, rhs)
+    assert sorted(seen) == [("gmm", padded), ("gmm", padded),
+                            ("tgmm", padded, padded)], (M, seen)
+
+
+def test_xla_path_tiles_by_the_group_count(monkeypatch):
+  """Without `tile_m`, the xla path's tile is `default_tile_m(M, G)`, G
+  the groups (the weights' first axis), not another width."""
+  seen = []
+
+  def xla_gmm(lhs, rhs, group_sizes, tm):
+    seen.append(tm)
+    return jnp.zeros((lhs.shape[0], rhs.shape[2]), lhs.dtype)
+
+  monkeypatch.setattr(gmm, "_xla_gmm", xla_gmm)
+  lhs, rhs, sizes, _ = _case([30, 34], N=24)      # M 64, G 2
+  gmm.gmm(lhs, rhs, sizes, impl="xla")
+  assert seen == [gmm.default_tile_m(64, 2)] == [16]
+
+
+@pytest.mark.parametrize("impl,primitive", [
+    ("megablox", "pallas_call"), ("ragged_dot", "ragged_dot_general"),
+    ("xla", "while")])
+def test_each_impl_runs_its_own_path(impl, primitive):
+  """Each name runs its own path (every path equals `ragged_dot`, so only
+  the program tells them apart), a name built at run time as a config's
+  is: the kernels, `lax.ragged_dot`, or the tile loop, and no other."""
+  lhs, rhs, sizes, _ = _case([3, 5], M=8)
+  jaxpr = jax.make_jaxpr(lambda a, b: gmm.gmm(
+      a, b, sizes, impl="".join(impl)))(lhs, rhs)
+  names = {e.primitive.name for e in helpers.jaxpr_eqns(jaxpr.jaxpr)}
+  paths = {"pallas_call", "ragged_dot_general", "while"}
+  assert names & paths == {primitive}, names & paths
+
+
 @pytest.mark.parametrize("impl", ["xla", "megablox"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_ragged_dot(impl, name):
+  """Each path equals `ragged_dot`; the names are built at run time, as a
+  config's are (no test may pass by a literal's identity)."""
+  impl, ragged_dot = "".join(impl), "".join("ragged_dot")
   sizes, M, tm = CASES[name]
   lhs, rhs, group_sizes, dout = _case(sizes, M=M)
 
@@ -96,7 +160,7 @@ def test_matches_ragged_dot(impl, name):
         lambda a, b: jnp.sum(gmm.gmm(a, b, group_sizes, impl=impl,
                                      tile_m=tm) * dout), argnums=(0, 1)))
 
-  (want, (dlhs_want, drhs_want)) = loss("ragged_dot")(lhs, rhs)
+  (want, (dlhs_want, drhs_want)) = loss(ragged_dot)(lhs, rhs)
   out = gmm.gmm(lhs, rhs, group_sizes, impl=impl, tile_m=tm)
   ref = jax.lax.ragged_dot(lhs, rhs, group_sizes)
   assert numerics.rel_err(out, ref) <= TOL
