@@ -116,6 +116,14 @@ def test_megablox_kernels_get_the_rows_padded_to_whole_tiles_only(
                             ("tgmm", padded, padded)], (M, seen)
 
 
+def test_options_are_keyword_only():
+  """`impl`, `tile_m` and `rows` by name only: a positional fourth
+  argument is refused, not read as the implementation."""
+  lhs, rhs, sizes, _ = _case([3, 5], M=8)
+  with pytest.raises(TypeError, match="positional"):
+    gmm.gmm(lhs, rhs, sizes, "xla")
+
+
 def test_xla_path_tiles_by_the_group_count(monkeypatch):
   """Without `tile_m`, the xla path's tile is `default_tile_m(M, G)`, G
   the groups (the weights' first axis), not another width."""
