@@ -442,16 +442,23 @@ def test_dispatch_path_under_a_mesh_is_the_token_or_expert_map():
       "device, capacity factor None: 2 pairs from each device."]
 
 
-def test_dispatch_path_off_a_mesh_is_dispatch_swiglu():
-  """[B,T,D] or [M,D] tokens without a mesh, and [M,D] tokens under one:
-  `dispatch_swiglu` of the flat tokens, in the tokens' shape."""
-  rng = np.random.default_rng(7)
+def _path_case(seed):
+  """[2,3,D] tokens, their picks and weights, the experts' weights, and
+  the loop's output for them (limit 0.5)."""
+  rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.normal(size=(2, 3, D)), jnp.float32)
   idx = jnp.asarray(rng.integers(0, E, (2, 3, 2)), jnp.int32)
   w = jnp.asarray(rng.uniform(size=(2, 3, 2)), jnp.float32)
   weights = tuple(_weights(rng))
   want = _jit_loop(np.asarray(idx).reshape(6, 2), 0.5)(
       x.reshape(6, D), w.reshape(6, 2), *weights).reshape(2, 3, D)
+  return x, idx, w, weights, want
+
+
+def test_dispatch_path_off_a_mesh_is_dispatch_swiglu():
+  """[B,T,D] or [M,D] tokens without a mesh, and [M,D] tokens under one:
+  `dispatch_swiglu` of the flat tokens, in the tokens' shape."""
+  x, idx, w, weights, want = _path_case(7)
   dispatch = jax.jit(moe._dispatch, static_argnums=(4, 5, 6))
   _assert_close(dispatch(x, idx, w, weights, "xla", None, 0.5), want)
   flat = dispatch(x.reshape(6, D), idx.reshape(6, 2), w.reshape(6, 2),
@@ -470,13 +477,7 @@ def test_dispatch_path_on_a_one_device_mesh_maps_the_tokens():
   """Under a mesh without an `expert` axis of several devices each device
   runs `dispatch_swiglu` on its tokens (`token_map`): on one device, the
   value without a mesh."""
-  rng = np.random.default_rng(8)
-  x = jnp.asarray(rng.normal(size=(2, 3, D)), jnp.float32)
-  idx = jnp.asarray(rng.integers(0, E, (2, 3, 2)), jnp.int32)
-  w = jnp.asarray(rng.uniform(size=(2, 3, 2)), jnp.float32)
-  weights = tuple(_weights(rng))
-  want = _jit_loop(np.asarray(idx).reshape(6, 2), 0.5)(
-      x.reshape(6, D), w.reshape(6, 2), *weights).reshape(2, 3, D)
+  x, idx, w, weights, want = _path_case(8)
   mesh = jax.make_mesh((1,) * 4, sharding.AXES, axis_types=(AUTO,) * 4)
   calls = []
   token_map = parallel_maps.token_map
