@@ -66,18 +66,18 @@ def test_import_train_export_import(tmp_path):
   start = state_lib.load_run(workdir)
   assert start.step == 0
   assert_same_tree(start.params, imported, "step-0 parameters")
-  # The rest of step 0 is a fresh run's (one init: the same rng split).
+  # The rest of step 0 is a fresh run's: `init` from the run's key with
+  # the imported parameters (whose rng is split as a fresh run's is:
+  # train_state_test.py).
   cfg = config_lib.check_config(start.config)
   manager = manager_lib.CheckpointManager(workdir_lib.checkpoint_dir(workdir))
   state = manager.restore(state_lib.abstract_state(
       cfg, sharding.make_mesh(cfg.mesh)))
   manager.close()
   init = state_lib.run_state_layout(cfg, sharding.make_mesh(cfg.mesh)).init
-  fresh = init(jax.random.PRNGKey(cfg.train.seed))
+  fresh = jax.jit(init)(state_lib.init_key(cfg), imported)
   np.testing.assert_array_equal(state.rng, fresh.rng)
-  assert_same_tree(state.opt_state, jax.jit(init)(
-      jax.random.PRNGKey(cfg.train.seed), imported).opt_state,
-                   "step-0 optimizer state")
+  assert_same_tree(state.opt_state, fresh.opt_state, "step-0 optimizer state")
   # Fine-tuning resumes the imported run (configs/ling3.py:imported=W).
   state = train_loop.train_and_evaluate(
       ling3.get_config(f"imported={workdir}"), workdir)

@@ -5,9 +5,11 @@ Prints one JSON object of measured relative errors. Argument: the
 
 The ling3_tiny model (KKKM, MoE on layers 1-3) with the Pallas KDA kernels
 and the megablox grouped matmul in interpret mode, and with the XLA paths:
-one training step's loss and gradients under fsdp=4 and data=2 x fsdp=2
-(the kernels, slow in interpret mode: data=2 x fsdp=2 only, a mesh with
-both batch axes) against the same step without a mesh; and, under fsdp=4,
+one training step's loss and gradients under a mesh against the same
+step without one (the XLA paths under fsdp=4, the kernels, slow in
+interpret mode, under data=2 x fsdp=2, a mesh with both batch axes: the
+step's sharding is the same code for both, only the op inside each
+`shard_map` differs); and, with the XLA paths under fsdp=4,
 each document of a packed row against the logits it gets alone. (data=4,
 each device whole rows and whole parameters, is the simplest split: the
 training loop's four-device runs reproduce its losses.)
@@ -38,12 +40,11 @@ from testbed import numerics  # noqa
 
 B, T = 4, 128
 MESHES = {"fsdp4": (1, 4, 1), "data2_fsdp2": (2, 2, 1)}
-KERNEL_MESHES = ("data2_fsdp2",)
 
 
 def meshes(kda_impl):
-  """The meshes a step is checked on for this implementation."""
-  return tuple(MESHES) if kda_impl == "xla" else KERNEL_MESHES
+  """The mesh a step is checked on for this implementation."""
+  return ("fsdp4",) if kda_impl == "xla" else ("data2_fsdp2",)
 
 
 def packed_batch():
@@ -135,8 +136,11 @@ def document_errors(kda_impl, moe_impl):
 
 def main(kda_impl, moe_impl):
   results = step_errors(kda_impl, moe_impl)
-  results[f"{kda_impl}_{moe_impl}_documents"] = document_errors(
-      kda_impl, moe_impl)
+  # The kernels' packed rows: ops_kda_golden_test.py (one call site in the
+  # layer for every implementation).
+  if kda_impl == "xla":
+    results[f"{kda_impl}_{moe_impl}_documents"] = document_errors(
+        kda_impl, moe_impl)
   print(json.dumps(results))
 
 

@@ -119,6 +119,11 @@ def test_init_rng_draws_the_parameters_and_nothing_else(data_dir):
   assert not same["embed"]["embeddings"]
   assert any(jax.tree.leaves(same)) and not all(jax.tree.leaves(same))
   np.testing.assert_array_equal(rbg.rng, threefry.rng)
+  # Given parameters (an imported checkpoint's), the state's rng is split
+  # from the key as a fresh run's is, and the parameters are kept.
+  given = jax.jit(steps.init)(steps.rng, threefry.params)
+  np.testing.assert_array_equal(given.rng, rbg.rng)
+  chex.assert_trees_all_equal(given.params, threefry.params)
   # A typed key gives the same parameters as its raw bits.
   typed = jax.jit(state.make_init_fn(m, tx, run.data.seq_len, "unsafe_rbg"))(
       jax.random.wrap_key_data(steps.rng))
