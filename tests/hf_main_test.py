@@ -13,6 +13,7 @@ import types
 from unittest import mock
 
 from absl import app, flags
+from absl import logging as absl_logging
 import process_support
 import pytest
 
@@ -25,8 +26,12 @@ FLAGS = flags.FLAGS
 
 @pytest.fixture
 def calls(monkeypatch):
-  """The stand-ins' calls, as (name, args, kwargs); flags unparsed after."""
+  """The stand-ins' calls, as (name, args, kwargs). After the test the flags
+  are unparsed and absl's logger is as it was (parsing sets its level from
+  `--verbosity`; `main` adds a filter), so later tests' logs still show."""
   got = []
+  logger = absl_logging.get_absl_logger()
+  level, filters = logger.level, list(logger.filters)
 
   def import_checkpoint(*args, **kwargs):
     got.append(("import", args, kwargs))
@@ -41,6 +46,8 @@ def calls(monkeypatch):
     yield got
   finally:
     FLAGS.unparse_flags()
+    logger.setLevel(level)
+    logger.filters[:] = filters
 
 
 def run_main(*argv):
