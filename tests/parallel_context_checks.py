@@ -241,7 +241,7 @@ def model_errors(n=4):
   model = tiny_model()
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 32, ids.shape),
                        jnp.int32)
-  params = model.init(jax.random.PRNGKey(0), tokens, ids)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens, ids)
 
   def loss(p, tokens, ids):
     logits, aux = model.apply(p, tokens, ids, return_aux=True)

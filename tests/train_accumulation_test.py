@@ -21,10 +21,10 @@ from testbed import numerics
 # Tiny shapes: compilation dominates (conftest.fast_compile).
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
-# A dense layer, MoE layers with a scanned group (KM twice), an MTP block.
+# MoE layers in a scanned group (KM twice), an MTP block.
 MODEL = dict(
-    attention_pattern="KMKMKM", num_experts=4, num_experts_per_tok=2,
-    num_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1,
+    attention_pattern="KMKM", num_experts=4, num_experts_per_tok=2,
+    num_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=0,
     num_mtp_layers=1, router_bias_update_rate=0.01)
 
 
@@ -111,7 +111,8 @@ def test_eval_step_in_pieces_equals_whole_logits():
 
 
 def _config(data_dir, **extra):
-  values = dict(model__attention_pattern="KMKMKM", eval__every_steps=0,
+  values = dict(model__attention_pattern="KMKM",
+                model__first_k_dense_replace=0, eval__every_steps=0,
                 checkpoint__every_steps=2, train__num_steps=4)
   return helpers.tiny_train_config(data_dir, **dict(values, **extra))
 
