@@ -222,9 +222,11 @@ def layer_errors(name, build, shards=(4,), T=64):
 
 
 def tiny_model():
+  """ling3_tiny's layers at tiny widths, two of them: KDA with the dense
+  feed-forward, then MLA with the MoE; the MTP block."""
   m = ling3_tiny.get_config().model
-  for key, value in dict(d_model=32, num_heads=2, head_dim=16,
-                         kv_lora_rank=16, qk_nope_head_dim=8,
+  for key, value in dict(attention_pattern="KM", d_model=32, num_heads=2,
+                         head_dim=16, kv_lora_rank=16, qk_nope_head_dim=8,
                          qk_rope_head_dim=8, v_head_dim=8, mlp_hidden_dim=64,
                          moe_intermediate_size=16, num_experts=4,
                          vocab_size=32, kda_chunk_size=16,
