@@ -58,7 +58,7 @@ def candidates(K, N):
       continue
     out[f"megablox {tiling}"] = functools.partial(
         lambda x, w, s, t: gmm._megablox_call(  # pylint: disable=protected-access
-            x, w, s, t, interpret), t=tiling)
+            x, w, s, t, interpret, None), t=tiling)
   return out
 
 

@@ -5,6 +5,8 @@ are in place before any test initialises a JAX backend.
 """
 
 import kda_lm  # noqa: F401  (side effect: XLA flags)  # isort: skip
+import contextlib
+
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 import process_support
@@ -28,19 +30,58 @@ def fast_compile():
     yield
 
 
+# The settings of JAX's persistent compilation cache that the fixtures below
+# change (and restore).
+_CACHE_SETTINGS = ("jax_compilation_cache_dir",
+                   "jax_persistent_cache_min_compile_time_secs",
+                   "jax_compilation_cache_max_size")
+
+
+@contextlib.contextmanager
+def _compilation_cache(path: str, min_compile_s: float, max_size: int):
+  """JAX's persistent compilation cache at `path` inside, the previous
+  settings after (the cache started again on both sides: JAX reads its
+  settings when it first uses it)."""
+  old = [jax.config.read(name) for name in _CACHE_SETTINGS]
+  new = (path, min_compile_s, max_size)
+  for name, value in zip(_CACHE_SETTINGS, new, strict=True):
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()
+  try:
+    yield path
+  finally:
+    for name, value in zip(_CACHE_SETTINGS, old, strict=True):
+      jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suite_compilation_cache(tmp_path_factory, worker_id):
+  """One persistent compilation cache for the whole run, shared by the
+  test processes (xdist's workers): a program that several test modules
+  compile the same way (the same model, shapes and XLA options; JAX's
+  cache key) is compiled once. Programs that took over a second to
+  compile (JAX's default threshold) are kept. A size limit, never reached,
+  makes JAX lock the folder around each read and write, so that one
+  worker never reads what the other is still writing. Subprocesses do not
+  inherit it (`process_support.subprocess_env`)."""
+  root = tmp_path_factory.getbasetemp()
+  if worker_id != "master":   # Each worker's folder is beside the others'.
+    root = root.parent
+  path = root / "jax_suite_cache"
+  path.mkdir(exist_ok=True)
+  with _compilation_cache(str(path), 1.0, 8 << 30):
+    yield
+
+
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
   """A persistent compilation cache for a test module, shared with its
-  subprocesses: a program compiled again (a resumed run) is read back."""
-  path = str(tmp_path_factory.mktemp("jax_cache"))
-  old = (jax.config.jax_compilation_cache_dir,
-         jax.config.jax_persistent_cache_min_compile_time_secs)
-  jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  yield path
-  jax.config.update("jax_compilation_cache_dir", old[0])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
-  compilation_cache.reset_cache()
+  subprocesses: a program compiled again (a resumed run) is read back.
+  Every program is kept; no size limit (JAX's default)."""
+  with _compilation_cache(str(tmp_path_factory.mktemp("jax_cache")), 0.0,
+                          -1) as path:
+    yield path
 
 
 @pytest.fixture(scope="module")

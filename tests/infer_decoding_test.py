@@ -28,8 +28,8 @@ def tiny_config(**overrides):
 
 
 def init_params(cfg, seed=0):
-  params = model_lib.build(cfg).init(jax.random.key(seed),
-                                     jnp.zeros((1, 8), jnp.int32))
+  params = jax.jit(model_lib.build(cfg).init)(jax.random.key(seed),
+                                              jnp.zeros((1, 8), jnp.int32))
   # Non-zero A_log / biases are the defaults; nudge MoE selection biases so
   # routing is not tied.
   return params
@@ -71,7 +71,7 @@ def test_prefill_then_steps_equals_full_forward(case):
   params = init_params(cfg)
   T = max(prompt_lengths) + N_STEPS
   tokens = jax.random.randint(jax.random.key(1), (2, T), 0, cfg.vocab_size)
-  full = model_lib.build(cfg).apply(params, tokens)
+  full = jax.jit(model_lib.build(cfg).apply)(params, tokens)
   decoder = decoding.Decoder(cfg, max_len=T + 3)
   for p in prompt_lengths:
     got, prefill_logits = cached_logits(decoder, params,
@@ -97,7 +97,8 @@ def test_batch_of_different_lengths_decodes_each_row_as_alone():
   for b, prompt in enumerate(prompts):
     alone = decoding.generate(decoder, params, [prompt], max_new_tokens=6)
     assert alone[0] == batch[b]
-    a_logits, a_cache = decoder.prefill(params, np.asarray([prompt]))
+    # As `generate` prefills it (one compile per prompt length).
+    a_logits, a_cache = decoder.prefill(params, *decoding.left_pad([prompt]))
     a_steps = [a_logits[:, -1]]
     for t in range(3):
       s, a_cache = decoder.step(params, jnp.asarray([batch[b][t]]), a_cache)

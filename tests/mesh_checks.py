@@ -3,8 +3,10 @@ devices by `mesh_test.py` (fake devices must be set before JAX starts).
 Prints one JSON object of measured relative errors. Argument: the
 `kda_impl,moe_impl` pair to check (`xla,xla` or `pallas,megablox`).
 
-The ling3_tiny model (KKKM, MoE on layers 1-3) with the Pallas KDA kernels
-and the megablox grouped matmul in interpret mode, and with the XLA paths:
+ling3_tiny's widths cut to two layers (KDA with the dense feed-forward,
+then MLA with the MoE: each kind of layer the step shards) with the Pallas
+KDA kernels and the megablox grouped matmul in interpret mode, and with the
+XLA paths:
 one training step's loss and gradients under a mesh against the same
 step without one (the XLA paths under fsdp=4, the kernels, slow in
 interpret mode, under data=2 x fsdp=2, a mesh with both batch axes: the
@@ -67,6 +69,7 @@ def packed_batch():
 def model_config(kda_impl, moe_impl):
   config = ling3_tiny.get_config().model
   config.kda_impl, config.moe_impl = kda_impl, moe_impl
+  config.attention_pattern = "KM"
   return config_lib.ModelConfig.from_config(config)
 
 
@@ -81,7 +84,8 @@ def step_errors(kda_impl, moe_impl):
   cfg = model_config(kda_impl, moe_impl)
   model = model_lib.build(cfg)
   tx, schedule = optimizer.make_optimizer(ling3_tiny.get_config().opt, 10)
-  state = state_lib.make_init_fn(model, tx, T)(jax.random.PRNGKey(0))
+  state = jax.jit(state_lib.make_init_fn(model, tx, T))(
+      jax.random.PRNGKey(0))
   loss_fn = step_lib._loss_fn(model, cfg)  # pylint: disable=protected-access
   batch = packed_batch()
   denominators = step_lib._denominators(batch, cfg)  # pylint: disable=protected-access
@@ -108,7 +112,7 @@ def document_errors(kda_impl, moe_impl):
   (one document per row, padded, no mesh)."""
   model = model_lib.build(model_config(kda_impl, moe_impl))
   batch = packed_batch()
-  params = model.init(jax.random.PRNGKey(1), batch["inputs"][:1])
+  params = jax.jit(model.init)(jax.random.PRNGKey(1), batch["inputs"][:1])
   m = mesh(MESHES["fsdp4"])
   with jax.set_mesh(m):
     packed = jax.jit(model.apply)(

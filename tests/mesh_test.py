@@ -107,9 +107,11 @@ def test_kernels_and_sorts_run_inside_shard_map(shape):
                                    (1, 2, 1, 2)])
 def test_tpu_kernels_run_inside_shard_map(shape, monkeypatch):
   """Traced as on a TPU (JAX's default backend read as "tpu": the "tpu"
-  kernel family for the bounded gate, megablox for the experts, the
-  ragged exchange of expert parallelism): each KDA layer's two TPU
-  kernels, every other kernel and every exchange inside shard_map."""
+  kernel family for the bounded gate, `ragged_dot` for ling3_tiny's 8
+  experts, the ragged exchange of expert parallelism): each KDA layer's
+  two TPU kernels, every other kernel and every exchange inside
+  shard_map (the megablox kernels: `test_kernels_and_sorts_run_inside_
+  shard_map`)."""
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   kernels = []
   found = collections.Counter(placements(

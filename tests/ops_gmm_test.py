@@ -284,21 +284,27 @@ def test_bad_impl_and_float_sizes():
     gmm.gmm(lhs, rhs, jnp.zeros((2,), jnp.int32), impl="dense")
   with pytest.raises(ValueError, match="integers"):
     gmm.gmm(lhs, rhs, jnp.zeros((2,)))
-  assert gmm.resolve_impl("auto") == "xla"      # CPU
+  assert gmm.resolve_impl("auto", 16) == "xla"      # CPU
 
 
-@pytest.mark.parametrize("backend,want", [("tpu", "megablox"), ("gpu", "xla"),
-                                          ("cpu", "xla")],
-                         ids=["tpu", "gpu", "cpu"])
-def test_auto_picks_the_pallas_kernels_on_a_tpu_only(monkeypatch, backend,
-                                                     want):
+@pytest.mark.parametrize("backend,few,many", [
+    ("tpu", "ragged_dot", "megablox"), ("gpu", "xla", "xla"),
+    ("cpu", "xla", "xla")], ids=["tpu", "gpu", "cpu"])
+def test_auto_picks_by_backend_and_groups(monkeypatch, backend, few, many):
+  """On a TPU `ragged_dot` up to `RAGGED_DOT_MAX_GROUPS` groups, the
+  megablox kernels above; xla on any other backend."""
   # The backend's name as JAX returns it: a string made at run time.
   monkeypatch.setattr(jax, "default_backend", lambda: "".join(backend))
-  assert gmm.resolve_impl("auto") == want
+  limit = gmm.RAGGED_DOT_MAX_GROUPS
+  assert limit == 8
+  for groups in (1, limit):
+    assert gmm.resolve_impl("auto", groups) == few
+  assert gmm.resolve_impl("auto", limit + 1) == many
   # A name built at run time (as from a command line), not the literal.
-  assert gmm.resolve_impl("".join(["au", "to"])) == want
+  assert gmm.resolve_impl("".join(["au", "to"]), limit + 1) == many
   for impl in ("xla", "megablox", "ragged_dot"):
-    assert gmm.resolve_impl(impl) == impl
+    assert gmm.resolve_impl(impl, 1) == impl
+    assert gmm.resolve_impl(impl, 64) == impl
 
 
 def test_stated_rows_reads_the_innermost_scope():

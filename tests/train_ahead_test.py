@@ -39,6 +39,23 @@ def test_a_failed_job_raises_at_wait_not_at_join():
     jobs.wait()
 
 
+def test_wait_for_one_job_leaves_the_others_running():
+  release, done = threading.Event(), []
+
+  def slow():
+    release.wait(timeout=30)
+    done.append("slow")
+
+  jobs = ahead.Ahead({"slow": slow, "fast": lambda: None})
+  jobs.wait_for("fast")
+  assert done == []   # "slow" still runs.
+  release.set()
+  failing = ahead.Ahead({"bad": lambda: 1 / 0})
+  with pytest.raises(ZeroDivisionError):
+    failing.wait_for("bad")
+  assert sorted(jobs.wait()) == ["fast", "slow"]
+
+
 def test_abstract_batch_is_the_global_batch_of_the_pipeline_features():
   sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   batch = ahead.abstract_batch(4, 16, sharding)
@@ -80,18 +97,19 @@ def _run_with_fake_steps(monkeypatch, events, num_steps=3):
       data=types.SimpleNamespace(batch_size=2, seq_len=8))
   run.steps, run.lowered, run.ahead, run.phases = None, {}, None, []
 
-  def lowerings(steps, batch_size, seq_len, with_eval):
+  def lowerings(steps, batch_size, seq_len, with_eval, with_init):
     del steps, batch_size, seq_len
     assert with_eval
+    names = ["train step"] + [ahead.INIT] * with_init + ["eval step"]
 
     def lower(name):
       def traced():
-        started = [n for n in ("train step", "eval step")
+        started = [n for n in names
                    if run.ahead is not None and run.ahead.started(n)]
         events.append(("lowered", name, started))
         return _Program(name, events)
       return traced
-    return {"train step": lower("train step"), "eval step": lower("eval step")}
+    return {name: lower(name) for name in names}
 
   monkeypatch.setattr(train_loop.ahead_lib, "lowerings", lowerings)
   return run
@@ -102,12 +120,15 @@ def test_a_fresh_run_compiles_each_step_once_it_is_lowered(monkeypatch):
   run = _run_with_fake_steps(monkeypatch, events)
   run.lower_steps(None)
   run.ahead.wait()
-  # The train step compiled while the eval step was traced.
+  # The train step compiled while the state's initialisation and the eval
+  # step were traced.
   assert [e for e in events if e[0] == "lowered"] == [
       ("lowered", "train step", []),
-      ("lowered", "eval step", ["train step"])]
+      ("lowered", "state init", ["train step"]),
+      ("lowered", "eval step", ["train step", "state init"])]
   assert sorted(e for e in events if e[0] == "compiled") == [
-      ("compiled", "eval step"), ("compiled", "train step")]
+      ("compiled", "eval step"), ("compiled", "state init"),
+      ("compiled", "train step")]
   assert [name for name, _ in run.phases] == ["steps traced"]
 
 

@@ -101,13 +101,16 @@ def test_one_step_smoke(tmp_path, data_dir, cache_dir):
   with compile_log() as lowered:
     state = train_loop.train_and_evaluate(config, workdir)
   assert int(state.step) == 1
-  # The steps were lowered first and compiled beside the state's
-  # initialisation; their first calls compiled nothing more.
-  steps = {k: n for k, n in lowered.items() if k[1] in ("update", "eval_step")}
+  # The steps and the state's initialisation were lowered first and
+  # compiled in the background; their first calls compiled nothing more.
+  steps = {k: n for k, n in lowered.items()
+           if k[1] in ("update", "eval_step", "init")}
   assert steps == {
       ("lowered", "update", "MainThread"): 1,
+      ("lowered", "init", "MainThread"): 1,
       ("lowered", "eval_step", "MainThread"): 1,
       ("compiled", "update", "kda_lm compile: train step"): 1,
+      ("compiled", "init", "kda_lm compile: state init"): 1,
       ("compiled", "eval_step", "kda_lm compile: eval step"): 1}, lowered
   rows = metrics.read_metrics(workdir)
   train_row, eval_row = rows

@@ -471,7 +471,9 @@ def _dispatch(x, idx, w, weights, impl, capacity_factor, limit):
     return y.reshape(b, t, D)
 
   tokens = [x, idx, w]
-  check_vma = gmm.resolve_impl(impl) != "megablox"
+  # The grouped matmuls' implementation, for the experts on one device.
+  check_vma = gmm.resolve_impl(impl, weights[0].shape[0] // shards) != (
+      "megablox")
   if shards > 1:
     return parallel_maps.expert_map(local, tokens, list(weights),
                                        check_vma)

@@ -28,7 +28,8 @@ and a `[G,M,...]`-sized temporary. Implementations (`impl`):
   `dlhs = gmm(dout, rhs^T)` and `drhs[g] += lhs_tile^T dout_tile`.
 * "ragged_dot": `jax.lax.ragged_dot` itself, the reference in tests and
   benchmarks.
-* "auto": megablox on TPU, xla elsewhere.
+* "auto": on TPU megablox, or ragged_dot for at most
+  `RAGGED_DOT_MAX_GROUPS` groups; xla elsewhere.
 
 Every call with rows sharded over devices must run inside `jax.shard_map`
 (the MoE layer does): a Pallas call cannot be partitioned by GSPMD.
@@ -48,10 +49,18 @@ DEFAULT_TILE_M = 128
 # fastest forward+gradient at a MoE's shapes (32768 rows, 16 experts;
 # `experiments/bench_gmm_tiles.py`, docs/performance.md), 128 the slowest.
 MEGABLOX_TILE_M = 512
+# "auto" on a TPU up to this many groups (experts per device): on a v5e,
+# `ragged_dot`'s forward+gradient at 8 groups took 0.98-1.05x the megablox
+# kernels' time at a MoE's widths (32768 rows, 1536 <-> 512 and 1024) and
+# 0.92x at ling3_tiny's, and ling3_tiny's update step compiled in 13-15 s
+# against 19-21 s (docs/performance.md); at 16 groups it was up to 1.14x
+# slower, and its gradient's dense work grows with the groups.
+RAGGED_DOT_MAX_GROUPS = 8
 
 
-def resolve_impl(impl: str) -> str:
-  """`impl` as a concrete implementation (see the module docstring).
+def resolve_impl(impl: str, num_groups: int) -> str:
+  """`impl` as a concrete implementation (see the module docstring) for
+  `num_groups` groups per call (the experts on one device).
 
   Raises:
     ValueError: unknown `impl`.
@@ -59,9 +68,11 @@ def resolve_impl(impl: str) -> str:
   if impl not in IMPLS:
     raise ValueError(f"Unknown grouped-matmul impl {impl!r}; expected one "
                      f"of {IMPLS}.")
-  if impl == "auto":
-    return "megablox" if jax.default_backend() == "tpu" else "xla"
-  return impl
+  if impl != "auto":
+    return impl
+  if jax.default_backend() != "tpu":
+    return "xla"
+  return "ragged_dot" if num_groups <= RAGGED_DOT_MAX_GROUPS else "megablox"
 
 
 def default_tile_m(M: int, G: int) -> int:
@@ -111,7 +122,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     ValueError: shapes that disagree, or an unknown impl.
   """
   _check(lhs, rhs, group_sizes)
-  impl = resolve_impl(impl)
+  impl = resolve_impl(impl, rhs.shape[0])
   group_sizes = group_sizes.astype(jnp.int32)
   # Inside `jax.shard_map` the matrices are usually the same on every
   # device and the rows not: typed as varying here, so that their

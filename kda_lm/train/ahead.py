@@ -5,7 +5,10 @@ initialisation, the update step and the eval step. Each step is traced
 and lowered from its abstract arguments (the state's shapes and
 shardings, a global `[B,T]` batch of `data.packing.FEATURES`), then
 compiled in a background thread of `Ahead` while the main thread traces
-the next step, builds the data and restores or initialises the state.
+the next step, builds the data and restores or initialises the state. A
+fresh run's initialisation is lowered and compiled the same way, after
+the train step (whose compilation is the longest) and before the eval
+step, so that it is compiled by the time the data is built.
 JAX keeps each executable, so the first call of a step finds its program
 compiled; XLA's compiler releases the GIL, so the compilations share the
 host's cores with the main thread's work. JAX's persistent compilation
@@ -24,6 +27,10 @@ from jax.experimental.compilation_cache import compilation_cache
 import numpy as np
 
 from data import packing
+
+# The name of a fresh state's initialisation among the programs compiled
+# ahead (`lowerings`).
+INIT = "state init"
 
 
 def abstract_batch(batch_size: int, seq_len: int,
@@ -73,6 +80,12 @@ class Ahead:
     for thread in list(self._threads.values()):
       thread.join()
 
+  def wait_for(self, name: str) -> None:
+    """Waits for the job `name`, re-raising its error."""
+    self._threads[name].join()
+    if name in self._errors:
+      raise self._errors[name]
+
   def wait(self) -> dict[str, float]:
     """Waits for every job; returns each one's seconds.
 
@@ -87,16 +100,20 @@ class Ahead:
 
 
 def lowerings(steps: Any, batch_size: int, seq_len: int,
-              with_eval: bool) -> dict[str, Callable[[], Any]]:
-  """How to trace and lower `steps.update` (and `steps.eval_step` when
-  `with_eval`) for the global batch of `batch_size` rows of `seq_len`, by
-  name, in the order to run them; `steps` is `loop.Steps` (steps with a
-  `lower` method). Tracing holds the GIL, so each runs in the main
-  thread, the train step first: its compilation, the longest, can start
-  while the eval step is traced."""
+              with_eval: bool, with_init: bool = False
+              ) -> dict[str, Callable[[], Any]]:
+  """How to trace and lower `steps.update` (then `steps.init` from
+  `steps.rng` when `with_init`, then `steps.eval_step` when `with_eval`)
+  for the global batch of `batch_size` rows of `seq_len`, by name, in the
+  order to run them; `steps` is `loop.Steps` (steps with a `lower`
+  method). Tracing holds the GIL, so each runs in the main thread, the
+  train step first: its compilation, the longest, can start while the
+  others are traced."""
   batch = abstract_batch(batch_size, seq_len, steps.batch_sharding)
   lowerings_ = {"train step": lambda: steps.update.lower(steps.abstract,
                                                          batch)}
+  if with_init:
+    lowerings_[INIT] = lambda: steps.init.lower(steps.rng)
   if with_eval:
     lowerings_["eval step"] = lambda: steps.eval_step.lower(
         steps.abstract.params, batch)

@@ -283,7 +283,7 @@ class _Run:
     phases = list(self.phases) + parts + [
         ("first step" if self.compiled_ahead else
          "first step, compilation included", rest)]
-    beside = "".join(f"; {name} compiled in {s:.1f} s beside the state"
+    beside = "".join(f"; {name} compiled in {s:.1f} s in the background"
                      for name, s in self.compiled_ahead.items())
     logging.info("Start-up %.1f s: %s%s%s.", sum(s for _, s in phases),
                  ", ".join(f"{name} {s:.1f} s" for name, s in phases),
@@ -304,14 +304,16 @@ class _Run:
   def lower_steps(self, latest: int | None) -> None:
     """Traces and lowers the steps (`lowered`), unless the newest
     checkpoint, step `latest`, already reaches `train.num_steps`. With no
-    checkpoint (nothing to check first) each step starts compiling as soon
-    as it is lowered."""
+    checkpoint (nothing to check first) the state's initialisation is
+    lowered too, and each program starts compiling as soon as it is
+    lowered."""
     if latest is not None and latest >= self.cfg.train.num_steps:
       return
     mark = time.time()
     for name, lower in ahead_lib.lowerings(
         self.steps, self.cfg.data.batch_size, self.cfg.data.seq_len,
-        with_eval=self.cfg.eval.every_steps > 0).items():
+        with_eval=self.cfg.eval.every_steps > 0,
+        with_init=latest is None).items():
       self.lowered[name] = lower()
       if latest is None:
         self.compile_ahead(0)
@@ -328,6 +330,13 @@ class _Run:
       if not self.ahead.started(name):
         logging.info("Compiling the %s in the background.", name)
         self.ahead.start(name, program.compile)
+
+  def init_state(self) -> TrainState:
+    """A fresh state, from its program compiled ahead when there is one
+    (waiting for it: a second call would compile it again)."""
+    if self.ahead is not None and self.ahead.started(ahead_lib.INIT):
+      self.ahead.wait_for(ahead_lib.INIT)
+    return self.steps.init(self.steps.rng)
 
   def wait_for_steps(self) -> None:
     """Waits for the background compilation (re-raising its error)."""
@@ -420,7 +429,7 @@ def _restore_or_init(run: _Run) -> TrainState:
       logging.info("No checkpoint in %s: starting from scratch.",
                    manager.directory)
     run.compile_ahead(0)
-    state = run.steps.init(run.steps.rng)
+    state = run.init_state()
   run.phases.append((f"state {'restored' if run.start_step else 'built'}",
                      time.time() - mark))
   if run.is_main:
