@@ -42,7 +42,7 @@ def _compilation_cache(path: str, min_compile_s: float, max_size: int):
   """JAX's persistent compilation cache at `path` inside, the previous
   settings after (the cache started again on both sides: JAX reads its
   settings when it first uses it)."""
-  old = [jax.config.read(name) for name in _CACHE_SETTINGS]
+  old = [getattr(jax.config, name) for name in _CACHE_SETTINGS]
   new = (path, min_compile_s, max_size)
   for name, value in zip(_CACHE_SETTINGS, new, strict=True):
     jax.config.update(name, value)
