@@ -130,7 +130,7 @@ class ModelConfig:
   kda_kernel: pallas_options.KernelSettings = dataclasses.field(
       default_factory=pallas_options.KernelSettings)
   # Routed experts' grouped matmul (`kda_lm/ops/gmm.py`): auto (on TPU
-  # megablox, or ragged_dot up to 8 experts per device; xla elsewhere) |
+  # megablox, or ragged_dot for at most 8 experts; xla elsewhere) |
   # xla | megablox | ragged_dot (dense over the experts: the reference).
   moe_impl: str = "auto"
   # KDA gates: "ling" (full-rank, bounded gate in (-5, 0)) or "kimi"

@@ -452,6 +452,8 @@ def _dispatch(x, idx, w, weights, impl, capacity_factor, limit):
                            limit=limit).reshape(x.shape)
 
   shards = parallel_maps.expert_size()
+  # Chosen for the layer's experts, not each device's share of them.
+  impl = gmm.resolve_impl(impl, weights[0].shape[0])
 
   def local(x_BTD, idx_BTA, w_BTA, *weights):
     b, t = x_BTD.shape[:2]
@@ -471,9 +473,7 @@ def _dispatch(x, idx, w, weights, impl, capacity_factor, limit):
     return y.reshape(b, t, D)
 
   tokens = [x, idx, w]
-  # The grouped matmuls' implementation, for the experts on one device.
-  check_vma = gmm.resolve_impl(impl, weights[0].shape[0] // shards) != (
-      "megablox")
+  check_vma = impl != "megablox"
   if shards > 1:
     return parallel_maps.expert_map(local, tokens, list(weights),
                                        check_vma)

@@ -29,7 +29,8 @@ and a `[G,M,...]`-sized temporary. Implementations (`impl`):
 * "ragged_dot": `jax.lax.ragged_dot` itself, the reference in tests and
   benchmarks.
 * "auto": on TPU megablox, or ragged_dot for at most
-  `RAGGED_DOT_MAX_GROUPS` groups; xla elsewhere.
+  `RAGGED_DOT_MAX_GROUPS` groups (the MoE layer counts all its experts,
+  not a device's share); xla elsewhere.
 
 Every call with rows sharded over devices must run inside `jax.shard_map`
 (the MoE layer does): a Pallas call cannot be partitioned by GSPMD.
@@ -49,12 +50,14 @@ DEFAULT_TILE_M = 128
 # fastest forward+gradient at a MoE's shapes (32768 rows, 16 experts;
 # `experiments/bench_gmm_tiles.py`, docs/performance.md), 128 the slowest.
 MEGABLOX_TILE_M = 512
-# "auto" on a TPU up to this many groups (experts per device): on a v5e,
+# "auto" on a TPU up to this many groups (a MoE layer's experts): on a v5e,
 # `ragged_dot`'s forward+gradient at 8 groups took 0.98-1.05x the megablox
 # kernels' time at a MoE's widths (32768 rows, 1536 <-> 512 and 1024) and
 # 0.92x at ling3_tiny's, and ling3_tiny's update step compiled in 13-15 s
 # against 19-21 s (docs/performance.md); at 16 groups it was up to 1.14x
-# slower, and its gradient's dense work grows with the groups.
+# slower. Its gradient's work is dense over the groups: a 128-expert layer
+# split 8 per device over expert=16 compiled (deviceless, v5p) to 4.16x
+# the step's analytic FLOPs, so a layer's whole expert count decides.
 RAGGED_DOT_MAX_GROUPS = 8
 
 
