@@ -63,7 +63,7 @@ RAGGED_DOT_MAX_GROUPS = 8
 
 def resolve_impl(impl: str, num_groups: int) -> str:
   """`impl` as a concrete implementation (see the module docstring) for
-  `num_groups` groups per call (the experts on one device).
+  `num_groups` groups (the MoE layer passes all its experts).
 
   Raises:
     ValueError: unknown `impl`.
