@@ -17,8 +17,9 @@ compile or a kernel exceeds a limit:
   TPU: the kernel's scoped-VMEM request <= the chip's VMEM (Mosaic itself
        fails the compile when a kernel needs more than it requested).
 
-It needs its own environment (the CUDA plugin, ptxas, libtpu; with the CUDA
-plugin installed jax probes for a GPU on import, so not the test venv):
+It needs the CUDA plugin, ptxas and libtpu on its path, beside the
+repository's environment and never in it (with the CUDA plugin importable
+jax probes for a GPU on import):
 
   py="$(bash experiments/compile_check_env.sh)"
   "$py" -m experiments.compile_check
