@@ -124,6 +124,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.eval = _section(config_lib.EvalConfig)
   config.checkpoint = _section(config_lib.CheckpointConfig)
   config.mesh = _section(config_lib.MeshConfig)
+  # A 23 MB state and 4 x 128-token batches: 256 MiB of pinned host memory
+  # for the TPU runtime's transfers instead of 4 GiB starts it ~4 s sooner
+  # (no effect off TPU).
+  config.mesh.tpu_premapped_buffer_mib = 256
   # The model's vocabulary follows the delayed-copy vocabulary.
   config.model.vocab_size = config.data.get_ref("vocab_size")
   if "text" in variants and "text_bytes" in variants:

@@ -555,6 +555,56 @@ def test_backends_are_initialized_asks_jax(monkeypatch):
     assert check() is answer
 
 
+@pytest.fixture
+def no_premapped_env(monkeypatch):
+  """No TPU_PREMAPPED_BUFFER_SIZE in the environment, restored after."""
+  monkeypatch.delenv(distributed.PREMAPPED_SIZE_ENV, raising=False)
+  return monkeypatch
+
+
+def test_premapped_buffer_is_set_before_the_runtime_starts(no_premapped_env):
+  """initialize() sets libtpu's buffer from config.mesh (MiB to bytes)
+  before the backends start, distributed or not; 0 leaves libtpu's
+  default."""
+  monkeypatch = no_premapped_env
+  monkeypatch.setattr(distributed, "_backends_are_initialized", lambda: False)
+  mesh = ml_collections.ConfigDict({"distributed": False,
+                                    "tpu_premapped_buffer_mib": 0})
+  assert distributed.initialize(mesh) is False
+  assert distributed.PREMAPPED_SIZE_ENV not in os.environ
+  mesh.tpu_premapped_buffer_mib = 256
+  assert distributed.initialize(mesh) is False
+  assert os.environ[distributed.PREMAPPED_SIZE_ENV] == str(256 << 20)
+
+
+def test_premapped_buffer_leaves_the_environment_and_a_started_runtime(
+    no_premapped_env):
+  """A value already in the environment wins; after the backends started
+  the setting cannot act: a warning, and the environment is unchanged."""
+  monkeypatch = no_premapped_env
+  monkeypatch.setattr(distributed, "_backends_are_initialized", lambda: False)
+  monkeypatch.setenv(distributed.PREMAPPED_SIZE_ENV, "1234")
+  distributed.set_tpu_premapped_buffer(64)
+  assert os.environ[distributed.PREMAPPED_SIZE_ENV] == "1234"
+  monkeypatch.delenv(distributed.PREMAPPED_SIZE_ENV)
+  monkeypatch.setattr(distributed, "_backends_are_initialized", lambda: True)
+  warnings = []
+  monkeypatch.setattr(distributed.logging, "warning",
+                      lambda msg, *args: warnings.append(msg % args))
+  distributed.set_tpu_premapped_buffer(64)
+  assert distributed.PREMAPPED_SIZE_ENV not in os.environ
+  assert warnings == ["config.mesh.tpu_premapped_buffer_mib=64 has no "
+                      "effect: the JAX backends have already started."]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "256"])
+def test_premapped_buffer_refuses_what_is_not_a_size(bad, no_premapped_env):
+  with pytest.raises(ValueError, match="tpu_premapped_buffer_mib must be an "
+                     "integer >= 0"):
+    distributed.set_tpu_premapped_buffer(bad)
+  assert distributed.PREMAPPED_SIZE_ENV not in os.environ
+
+
 def test_options_are_frozen_with_a_100_s_heartbeat():
   """The fields in order, the heartbeat's default, no assignment."""
   opts = distributed.Options("h:1", 2, 1, 30)
@@ -587,9 +637,10 @@ def test_train_py_without_coordinator_fails_in_time(tmp_path):
   assert not os.path.exists(tmp_path / "config.json")
 
 
-def test_two_processes_match_one_and_resume(tmp_path):
-  data_dir, cache_dir = str(tmp_path / "tfds"), str(tmp_path / "jax_cache")
-  # The single-process reference (it also builds the dataset).
+def test_two_processes_match_one_and_resume(tmp_path, data_dir, cache_dir):
+  # The single-process reference (it also builds the module's dataset;
+  # the module's compilation cache serves the later runs of the same
+  # programs, here and in the tests below).
   reference = str(tmp_path / "reference")
   result = subprocess.run(
       [sys.executable, "-c", _REFERENCE, json.dumps(
@@ -646,11 +697,11 @@ def _start_two(tmp_path, workdir, data_dir, env, *flags):
   return procs, logs
 
 
-def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
+def test_sigterm_to_one_process_stops_both_at_the_same_step(
+    tmp_path, data_dir, cache_dir):
   """SIGTERM to process 1 of 2: JAX's preemption sync point makes both stop
   at one step k, both save it and exit with the preemption status, and a
   rerun of both resumes from step k."""
-  data_dir, cache_dir = str(tmp_path / "tfds"), str(tmp_path / "jax_cache")
   env = process_support.subprocess_env(cache_dir)
   workdir = str(tmp_path / "run")
   procs, logs = _start_two(tmp_path, workdir, data_dir, env)
@@ -687,12 +738,12 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
     assert f"Resuming from the checkpoint of step {k}" in out, out[-3000:]
 
 
-def test_a_killed_process_stops_the_other_with_one_line(tmp_path):
+def test_a_killed_process_stops_the_other_with_one_line(
+    tmp_path, data_dir, cache_dir):
   """SIGKILL to process 1 of 2 mid-run: process 0 exits with
   PEER_LOST_EXIT within 60 s (its next collective fails), naming the lost
   process in one line, with no fatal-error dump; a rerun of both resumes
   from the newest complete checkpoint."""
-  data_dir, cache_dir = str(tmp_path / "tfds"), str(tmp_path / "jax_cache")
   env = process_support.subprocess_env(cache_dir)
   workdir = str(tmp_path / "run")
   procs, logs = _start_two(tmp_path, workdir, data_dir, env,

@@ -48,6 +48,8 @@ PEER_LOST_EXIT = 76
 _LOST_PEER_SIGNS = ("Gloo", "Connection reset", "heartbeat", "unhealthy",
                     "UNAVAILABLE", "barrier")
 CPU_COLLECTIVES_ENV = "JAX_CPU_COLLECTIVES_IMPLEMENTATION"
+# libtpu's pinned host buffer for transfers (`set_tpu_premapped_buffer`).
+PREMAPPED_SIZE_ENV = "TPU_PREMAPPED_BUFFER_SIZE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,8 +182,33 @@ def _backends_are_initialized() -> bool:
   return xla_bridge.backends_are_initialized()
 
 
+def set_tpu_premapped_buffer(mib: int) -> None:
+  """Asks the TPU runtime, before it starts, to pin `mib` MiB of host
+  memory for transfers instead of its default (4 GiB on a v5e, seconds of
+  every start-up without transparent huge pages). Transfers larger than
+  the buffer stay exact but slow: a 1 GiB array took 20x longer each way
+  with 256 MiB on a v5e. Nothing when `mib` is 0, when
+  `TPU_PREMAPPED_BUFFER_SIZE` is already set (the environment wins), or on
+  other backends (the variable is libtpu's).
+
+  Raises:
+    ValueError: `mib` is not an integer >= 0.
+  """
+  if isinstance(mib, bool) or not isinstance(mib, int) or mib < 0:
+    raise ValueError("config.mesh.tpu_premapped_buffer_mib must be an "
+                     f"integer >= 0 (0: libtpu's default), got {mib!r}.")
+  if mib == 0 or PREMAPPED_SIZE_ENV in os.environ:
+    return
+  if _backends_are_initialized():
+    logging.warning("config.mesh.tpu_premapped_buffer_mib=%d has no effect: "
+                    "the JAX backends have already started.", mib)
+    return
+  os.environ[PREMAPPED_SIZE_ENV] = str(mib << 20)
+
+
 def initialize(mesh_config: ml_collections.ConfigDict) -> bool:
-  """Joins the job that `config.mesh` describes (once per process).
+  """Joins the job that `config.mesh` describes (once per process), after
+  setting the TPU runtime's transfer buffer (`set_tpu_premapped_buffer`).
 
   Args:
     mesh_config: `config.mesh`.
@@ -197,6 +224,8 @@ def initialize(mesh_config: ml_collections.ConfigDict) -> bool:
     TimeoutError: (processes other than 0) the coordinator did not accept a
       connection within `config.mesh.coordinator_timeout_s`.
   """
+  if mesh_config is not None:
+    set_tpu_premapped_buffer(mesh_config.get("tpu_premapped_buffer_mib", 0))
   opts = options(mesh_config)
   if opts is None:
     return False
