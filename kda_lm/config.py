@@ -528,7 +528,7 @@ class MeshConfig:
   # MiB of host memory the TPU runtime pins for transfers (libtpu's
   # TPU_PREMAPPED_BUFFER_SIZE, which wins if set; 0 = libtpu's 4 GiB). Less
   # starts it seconds sooner (v5e: 5-7.5 s at 4 GiB, 1.3-1.9 s at 64-256
-  # MiB), but transfers larger than it are ~20x slower: small models only.
+  # MiB), but transfers larger than it are 7-28x slower: small models only.
   tpu_premapped_buffer_mib: int = 0
 
 

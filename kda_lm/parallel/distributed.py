@@ -186,8 +186,8 @@ def set_tpu_premapped_buffer(mib: int) -> None:
   """Asks the TPU runtime, before it starts, to pin `mib` MiB of host
   memory for transfers instead of its default (4 GiB on a v5e, seconds of
   every start-up without transparent huge pages). Transfers larger than
-  the buffer stay exact but slow: a 1 GiB array took 20x longer each way
-  with 256 MiB on a v5e. Nothing when `mib` is 0, when
+  the buffer stay exact but slow: a 1 GiB array moved 7-28x slower with
+  256 MiB on a v5e. Nothing when `mib` is 0, when
   `TPU_PREMAPPED_BUFFER_SIZE` is already set (the environment wins), or on
   other backends (the variable is libtpu's).
 
