@@ -189,7 +189,8 @@ def set_tpu_premapped_buffer(mib: int) -> None:
   the buffer stay exact but slow: a 1 GiB array moved 7-28x slower with
   256 MiB on a v5e. Nothing when `mib` is 0, when
   `TPU_PREMAPPED_BUFFER_SIZE` is already set (the environment wins), or on
-  other backends (the variable is libtpu's).
+  other backends (the variable is libtpu's); a warning when the TPU
+  runtime has already started.
 
   Raises:
     ValueError: `mib` is not an integer >= 0.
@@ -200,8 +201,9 @@ def set_tpu_premapped_buffer(mib: int) -> None:
   if mib == 0 or PREMAPPED_SIZE_ENV in os.environ:
     return
   if _backends_are_initialized():
-    logging.warning("config.mesh.tpu_premapped_buffer_mib=%d has no effect: "
-                    "the JAX backends have already started.", mib)
+    if jax.default_backend() == "tpu":
+      logging.warning("config.mesh.tpu_premapped_buffer_mib=%d has no "
+                      "effect: the TPU runtime has already started.", mib)
     return
   os.environ[PREMAPPED_SIZE_ENV] = str(mib << 20)
 
