@@ -25,10 +25,12 @@ from kda_lm.parallel import distributed
 _MIB = flags.DEFINE_list("mib", ["0", "256", "64"],
                          "Pinned buffer sizes in MiB (0: libtpu's default).")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Times each setting runs.")
+_BIG_MIB = flags.DEFINE_integer("big_mib", 1024,
+                                "MiB of the large transfer (the small: 16).")
 
 # One measurement, in its own process: prints a JSON line.
 _CHILD = r"""
-import json, time
+import json, os, sys, time
 import numpy as np
 t = time.time()
 import jax
@@ -37,9 +39,12 @@ t = time.time()
 device = jax.devices()[0]
 t_devices = time.time() - t
 row = {"import_s": t_import, "devices_s": t_devices,
-       "platform": device.platform}
-x = np.random.default_rng(0).standard_normal((256, 1 << 20), np.float32)
-for name, array in (("16MiB", x[:4]), ("1GiB", x)):
+       "platform": device.platform,
+       "buffer_env": os.environ.get("TPU_PREMAPPED_BUFFER_SIZE")}
+big_mib = int(sys.argv[1])
+x = np.random.default_rng(0).standard_normal((big_mib // 4, 1 << 20),
+                                             np.float32)
+for name, array in (("small", x[:4]), ("big", x)):
   puts, gets = [], []
   for _ in range(3):
     t = time.time()
@@ -55,21 +60,23 @@ print(json.dumps(row))
 """
 
 
-def measure(mib: int) -> dict:
-  """One fresh process with a `mib` MiB buffer (0: libtpu's default)."""
+def measure(mib: int, big_mib: int = 1024) -> dict:
+  """One fresh process with a `mib` MiB buffer (0: libtpu's default),
+  moving 16 MiB ("small") and `big_mib` MiB ("big")."""
   env = dict(os.environ)
   env.pop(distributed.PREMAPPED_SIZE_ENV, None)
   if mib:
     env[distributed.PREMAPPED_SIZE_ENV] = str(mib << 20)
-  out = subprocess.run([sys.executable, "-c", _CHILD], env=env, check=True,
-                       capture_output=True, text=True).stdout
+  out = subprocess.run([sys.executable, "-c", _CHILD, str(big_mib)],
+                       env=env, check=True, capture_output=True,
+                       text=True).stdout
   return json.loads(out.strip().splitlines()[-1])
 
 
 def fmt(mib: int, row: dict) -> str:
   cells = [f"{mib} MiB" if mib else "default", row["platform"],
            f"{row['devices_s']:.2f}"]
-  for name in ("16MiB", "1GiB"):
+  for name in ("small", "big"):
     put, get, nbytes = row[name]
     cells.append(f"{put * 1e3:,.0f} / {get * 1e3:,.0f} ms "
                  f"({nbytes / put / 1e9:.1f} / {nbytes / get / 1e9:.1f} GB/s)")
@@ -80,11 +87,11 @@ def main(argv):
   del argv
   sizes = [int(m) for m in _MIB.value]
   print("| buffer | platform | runtime start s | 16 MiB to / from | "
-        "1 GiB to / from |")
+        f"{_BIG_MIB.value} MiB to / from |")
   print("| --- | --- | --- | --- | --- |")
   for _ in range(_ROUNDS.value):
     for mib in sizes:
-      print(fmt(mib, measure(mib)), flush=True)
+      print(fmt(mib, measure(mib, _BIG_MIB.value)), flush=True)
 
 
 if __name__ == "__main__":
