@@ -18,6 +18,9 @@ from kda_lm.train import state
 
 tiny_config = helpers.tiny_train_config
 
+# Tiny shapes: compilation dominates (conftest.fast_compile).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 def test_unknown_and_bad_config_keys(data_dir):
   config = tiny_config(data_dir)
