@@ -40,7 +40,7 @@ device = jax.devices()[0]
 t_devices = time.time() - t
 row = {"import_s": t_import, "devices_s": t_devices,
        "platform": device.platform,
-       "buffer_env": os.environ.get("TPU_PREMAPPED_BUFFER_SIZE")}
+       "buffer_env": os.environ.get(sys.argv[2])}
 big_mib = int(sys.argv[1])
 x = np.random.default_rng(0).standard_normal((big_mib // 4, 1 << 20),
                                              np.float32)
@@ -67,7 +67,8 @@ def measure(mib: int, big_mib: int = 1024) -> dict:
   env.pop(distributed.PREMAPPED_SIZE_ENV, None)
   if mib:
     env[distributed.PREMAPPED_SIZE_ENV] = str(mib << 20)
-  out = subprocess.run([sys.executable, "-c", _CHILD, str(big_mib)],
+  out = subprocess.run([sys.executable, "-c", _CHILD, str(big_mib),
+                        distributed.PREMAPPED_SIZE_ENV],
                        env=env, check=True, capture_output=True,
                        text=True).stdout
   return json.loads(out.strip().splitlines()[-1])

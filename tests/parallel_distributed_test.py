@@ -642,9 +642,9 @@ def test_train_py_without_coordinator_fails_in_time(tmp_path):
 
 
 def test_two_processes_match_one_and_resume(tmp_path, data_dir, cache_dir):
-  # The single-process reference (it also builds the module's dataset;
-  # the module's compilation cache serves the later runs of the same
-  # programs, here and in the tests below).
+  # The single-process reference (building the module's dataset unless
+  # an earlier test did; the module's compilation cache serves later runs
+  # of the same programs, here and in the two-process tests below).
   reference = str(tmp_path / "reference")
   result = subprocess.run(
       [sys.executable, "-c", _REFERENCE, json.dumps(
