@@ -1,7 +1,8 @@
 """Shared pytest setup.
 
 `kda_lm` is imported first so that its XLA:CPU flags (see kda_lm/__init__.py)
-are in place before any test initialises a JAX backend.
+are in place before any test initialises a JAX backend; then the suite's
+own code-generation flag (`process_support.SUITE_XLA_FLAG`).
 """
 
 import kda_lm  # noqa: F401  (side effect: XLA flags)  # isort: skip
@@ -11,6 +12,8 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache
 import process_support
 import pytest
+
+process_support.use_suite_cpu_codegen()
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import process_support
 
 from kda_lm.ops.kda import api
 from testbed import kda_cases, numerics
@@ -80,7 +81,7 @@ def _kwargs(frozen):
 
 
 @functools.lru_cache(maxsize=None)
-def _grad_fn(impl, frozen):
+def _grad_fn(impl, frozen, compiler_options=None):
   """jit(grad) of loss = sum(o * do) + sum(final_state * dht); aux (o, S)."""
   kw = _kwargs(frozen)
 
@@ -90,15 +91,21 @@ def _grad_fn(impl, frozen):
     value = jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(s * dht)
     return value, (o, s)
 
-  return jax.jit(jax.grad(loss, has_aux=True))
+  return jax.jit(jax.grad(loss, has_aux=True),
+                 compiler_options=compiler_options)
 
 
 def kda_fwd_and_grads(impl, params, do, dht, segment_ids=None, fresh=False,
                       **static):
   """Returns numpy (o, final_state, {name: grad}) from one compiled call;
-  `fresh` compiles anew (under the current XLA settings), uncached."""
-  make = _grad_fn.__wrapped__ if fresh else _grad_fn
-  grads, (o, s) = make(impl, _freeze(static))(params, segment_ids, do, dht)
+  `fresh` compiles anew as a user's program is (under the current XLA
+  optimization setting, XLA:CPU's default code generation), uncached."""
+  if fresh:
+    fn = _grad_fn.__wrapped__(impl, _freeze(static),
+                              process_support.USER_CPU_CODEGEN)
+  else:
+    fn = _grad_fn(impl, _freeze(static))
+  grads, (o, s) = fn(params, segment_ids, do, dht)
   return jax.tree.map(np.asarray, (o, s, grads))
 
 

@@ -1,5 +1,6 @@
-"""The tests' processes: where the repository is, the in-process switch of
-XLA's optimizations (the `fast_compile` fixture's) and the environment of a
+"""The tests' processes: where the repository is, the XLA:CPU code
+generation the whole suite uses, the in-process switch of XLA's
+optimizations (the `fast_compile` fixture's) and the environment of a
 test's Python subprocess.
 
 Light on purpose (JAX and the library's multi-host module, no TensorFlow):
@@ -14,6 +15,24 @@ import jax
 from kda_lm.parallel import distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# XLA:CPU's older (non-MLIR) fusion code generation: the suite's programs
+# compile in about 0.6x the time (the tiny model's loss and gradient in
+# `parallel_context_checks.py model`: 30 s of compiling to 18 s, the run
+# 46 s to 34 s). Set for every test process and, through the environment,
+# every subprocess; `USER_CPU_CODEGEN` undoes it for one program (the
+# tests of what a user's CPU run compiles).
+SUITE_XLA_FLAG = "--xla_cpu_use_fusion_emitters=false"
+# `jax.jit(..., compiler_options=USER_CPU_CODEGEN)`: XLA:CPU's default
+# code generation for that program.
+USER_CPU_CODEGEN = {"xla_cpu_use_fusion_emitters": True}
+
+
+def use_suite_cpu_codegen():
+  """Appends `SUITE_XLA_FLAG` to XLA_FLAGS; call before JAX starts its
+  backends (conftest.py does, on import)."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if SUITE_XLA_FLAG not in flags.split():
+    os.environ["XLA_FLAGS"] = f"{flags} {SUITE_XLA_FLAG}".strip()
 
 
 @contextlib.contextmanager
