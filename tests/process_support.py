@@ -18,9 +18,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # XLA:CPU's older (non-MLIR) fusion code generation: the suite's programs
 # compile in about 0.6x the time (the tiny model's loss and gradient in
 # `parallel_context_checks.py model`: 30 s of compiling to 18 s, the run
-# 46 s to 34 s). Set for every test process and, through the environment,
-# every subprocess; `USER_CPU_CODEGEN` undoes it for one program (the
-# tests of what a user's CPU run compiles).
+# 46 s to 34 s), which compile mostly without XLA's optimizations. Not for
+# users: with the optimizations on it compiles slower (ling3_tiny's train.py
+# start-up 31-33 s to 41-42 s on this suite's 2-core host). Set for every
+# test process and, through the environment, every subprocess;
+# `USER_CPU_CODEGEN` undoes it for one program (the tests of what a user's
+# CPU run compiles).
 SUITE_XLA_FLAG = "--xla_cpu_use_fusion_emitters=false"
 # `jax.jit(..., compiler_options=USER_CPU_CODEGEN)`: XLA:CPU's default
 # code generation for that program.
