@@ -527,7 +527,7 @@ class MeshConfig:
   heartbeat_timeout_s: int = 100
   # MiB of host memory the TPU runtime pins for transfers (libtpu's
   # TPU_PREMAPPED_BUFFER_SIZE, which wins if set; 0 = libtpu's 4 GiB). Less
-  # starts it seconds sooner (v5e: 5-7.5 s at 4 GiB, 1.3-1.9 s at 64-256
+  # starts it seconds sooner (v5e: 5-10 s at 4 GiB, 1.1-2.3 s at 64-256
   # MiB), but transfers larger than it are 7-28x slower: small models only.
   tpu_premapped_buffer_mib: int = 0
 
